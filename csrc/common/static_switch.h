@@ -1,0 +1,63 @@
+// Runtime -> compile-time switches, so each kernel is instantiated for a small, explicit matrix
+// (dtype x a few head dims x flags). Build time is a feature users feel: add a case here only
+// with a benchmark that needs it.
+//
+// Usage:
+//   BOOL_SWITCH(params.is_causal, kIsCausal, [&] { launch<kIsCausal>(params, stream); });
+//   HEADDIM_SWITCH(params.head_dim, kHeadDim, [&] { launch<kHeadDim>(params, stream); });
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#define BOOL_SWITCH(COND, CONST_NAME, ...)      \
+  [&] {                                         \
+    if (COND) {                                 \
+      constexpr static bool CONST_NAME = true;  \
+      return __VA_ARGS__();                     \
+    } else {                                    \
+      constexpr static bool CONST_NAME = false; \
+      return __VA_ARGS__();                     \
+    }                                           \
+  }()
+
+// Head dims are rounded up to the next instantiated size; the padded lanes are masked in the
+// kernel. 32/64/96/128/256 cover the models we target (40 -> 64, 80 -> 96, 160 -> 256).
+#define HEADDIM_SWITCH(HEADDIM, CONST_NAME, ...)                                    \
+  [&] {                                                                             \
+    if ((HEADDIM) <= 32) {                                                          \
+      constexpr static int CONST_NAME = 32;                                         \
+      return __VA_ARGS__();                                                         \
+    } else if ((HEADDIM) <= 64) {                                                   \
+      constexpr static int CONST_NAME = 64;                                         \
+      return __VA_ARGS__();                                                         \
+    } else if ((HEADDIM) <= 96) {                                                   \
+      constexpr static int CONST_NAME = 96;                                         \
+      return __VA_ARGS__();                                                         \
+    } else if ((HEADDIM) <= 128) {                                                  \
+      constexpr static int CONST_NAME = 128;                                        \
+      return __VA_ARGS__();                                                         \
+    } else if ((HEADDIM) <= 256) {                                                  \
+      constexpr static int CONST_NAME = 256;                                        \
+      return __VA_ARGS__();                                                         \
+    } else {                                                                        \
+      throw std::invalid_argument("head dim " + std::to_string(HEADDIM) +           \
+                                  " is larger than 256, the largest instantiated"); \
+    }                                                                               \
+  }()
+
+// Element types by a runtime tag; kernels see cuda_fp16 / cuda_bf16 types, never torch's.
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+#define FP16_BF16_SWITCH(DTYPE, TYPE_NAME, ...)                             \
+  [&] {                                                                     \
+    if ((DTYPE) == DType::kFloat16) {                                       \
+      using TYPE_NAME = __half;                                             \
+      return __VA_ARGS__();                                                 \
+    } else if ((DTYPE) == DType::kBFloat16) {                               \
+      using TYPE_NAME = __nv_bfloat16;                                      \
+      return __VA_ARGS__();                                                 \
+    } else {                                                                \
+      throw std::invalid_argument("expected a float16 or bfloat16 tensor"); \
+    }                                                                       \
+  }()
