@@ -1,0 +1,24 @@
+"""fusedattn: fused attention, LayerNorm and softmax kernels (Triton and CUDA C++).
+
+    import fusedattn
+    out = fusedattn.attention(q, k, v, is_causal=True)          # backend="auto"
+    fusedattn.available_backends()                              # what runs here
+    python -m fusedattn.info                                    # versions, build, GPU
+
+Importing fusedattn never initialises CUDA and never imports triton.
+"""
+
+from . import masks, reference
+from ._version import __version__
+from .ops import BackendUnavailableError, attention, available_backends, layer_norm, softmax
+
+__all__ = [
+    "BackendUnavailableError",
+    "__version__",
+    "attention",
+    "available_backends",
+    "layer_norm",
+    "masks",
+    "reference",
+    "softmax",
+]

@@ -1,0 +1,127 @@
+"""What fusedattn has built and can use here: `python -m fusedattn.info [--json]`.
+
+Paste its output into bug reports. `collect()` returns the same facts as a dict (the
+benchmarks record them with every result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+
+import torch
+
+from ._version import __version__
+from .ops import backends
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_version_str(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def extension_info() -> dict:
+    """fusedattn._C's build facts, or why it is unavailable."""
+    error = backends._extension_import_error()
+    if error:
+        return {"built": False, "reason": error}
+    from . import _C
+
+    raw = _C.build_info()
+    return {
+        "built": True,
+        "cuda_compiled": _cuda_version_str(raw["cuda_compiled"]),
+        "cuda_runtime": _cuda_version_str(raw["cuda_runtime"]),
+        "archs": [f"sm_{a // 10}" for a in raw["archs"]],
+        "attention_head_dims": list(raw["attention_head_dims"]),
+        "torch_compiled": raw["torch_compiled"],
+        "ops": list(raw["ops"]),
+    }
+
+
+def gpu_info() -> dict | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "name": props.name,
+        "capability": f"sm_{props.major}{props.minor}",
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "count": torch.cuda.device_count(),
+    }
+
+
+def collect() -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        "fusedattn": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _package_version("triton"),
+        "numpy": _package_version("numpy"),
+        "gpu": gpu_info(),
+        "extension": extension_info(),
+        "triton_interpret": backends.triton_interpreter_enabled(),
+        "backend_env": f"{backends.ENV_VAR}={os.environ.get(backends.ENV_VAR, '')}",
+        "device": device,
+        "available_backends": backends.available_backends(device),
+        "backends": backends.backend_report(device),
+    }
+
+
+def render(info: dict) -> str:
+    lines = [
+        f"fusedattn {info['fusedattn']}",
+        f"python {info['python']}, torch {info['torch']} (CUDA {info['torch_cuda']}), "
+        f"triton {info['triton']}, numpy {info['numpy']}",
+    ]
+    gpu = info["gpu"]
+    if gpu:
+        lines.append(
+            f"GPU: {gpu['name']} ({gpu['capability']}, {gpu['sms']} SMs, {gpu['memory_gib']} GiB)"
+            f" x{gpu['count']}"
+        )
+    else:
+        lines.append("GPU: none (torch.cuda.is_available() is False)")
+    ext = info["extension"]
+    if ext["built"]:
+        lines.append(
+            f"fusedattn._C: built with CUDA {ext['cuda_compiled']} (runtime {ext['cuda_runtime']})"
+            f" for {', '.join(ext['archs']) or 'no archs'}; torch {ext['torch_compiled']}; "
+            f"ops: {', '.join(ext['ops']) or 'none yet'}"
+        )
+    else:
+        lines.append(f"fusedattn._C: not available: {ext['reason']}")
+    lines.append(f"TRITON_INTERPRET=1: {'yes' if info['triton_interpret'] else 'no'}")
+    lines.append(f"{info['backend_env']}")
+    lines.append(f"backends on {info['device']}: {', '.join(info['available_backends']) or 'none'}")
+    for op, per_backend in info["backends"].items():
+        lines.append(f"  {op}:")
+        for name, reasons in per_backend.items():
+            lines.append(f"    {name:<9} " + ("ok" if not reasons else "no: " + "; ".join(reasons)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusedattn.info", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    args = parser.parse_args(argv)
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

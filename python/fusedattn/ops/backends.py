@@ -1,0 +1,165 @@
+"""Backend registry and dispatch, one mechanism for every op.
+
+Each (op, backend) implementation registers a `run` function and a `refusals` function that
+returns every reason it cannot take the given inputs ([] = it can). Dispatch never falls back
+silently: a backend named explicitly (by argument or by FUSEDATTN_BACKEND) that refuses raises
+`BackendUnavailableError` listing all its reasons; `auto` takes the first backend in a fixed
+per-device preference order that accepts, and lists every backend's reasons if none does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+BACKENDS = ("reference", "torch", "triton", "cuda")
+ENV_VAR = "FUSEDATTN_BACKEND"
+OPS = ("attention", "layer_norm", "softmax")
+
+# `auto` order by device. On CPU torch's own ops are the fastest correct choice, so a swapped
+# model on CPU is never slower than the unswapped one; the Triton interpreter is for tests only
+# and is reached by naming backend="triton". GPU order: hand-written CUDA, then Triton, then
+# torch; revisited as benchmarks of each kernel family land.
+AUTO_ORDER = {
+    "cuda": ("cuda", "triton", "torch", "reference"),
+    "cpu": ("torch", "reference"),
+}
+
+
+class BackendUnavailableError(ValueError):
+    """The requested backend cannot run an op on the given inputs; the message says why."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    op: str
+    backend: str
+    run: Callable
+    refusals: Callable[..., list[str]]
+
+
+_REGISTRY: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
+
+
+def register(op: str, backend: str, run: Callable, refusals: Callable[..., list[str]]) -> None:
+    if op not in _REGISTRY or backend not in BACKENDS:
+        raise ValueError(f"unknown op {op!r} or backend {backend!r}")
+    _REGISTRY[op][backend] = Implementation(op, backend, run, refusals)
+
+
+def no_refusals(**_inputs) -> list[str]:
+    return []
+
+
+# ---- process- and device-level reasons, shared by every op of a backend -------------------
+
+
+@cache
+def _extension_import_error() -> str | None:
+    try:
+        importlib.import_module("fusedattn._C")
+    except ImportError as exc:
+        return f"fusedattn._C is not built or does not load ({exc})"
+    return None
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def device_refusals(backend: str, device: torch.device) -> list[str]:
+    """Why `backend` cannot run anything on `device` in this process ([] = it can)."""
+    reasons = []
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed")
+        if device.type == "cpu" and not triton_interpreter_enabled():
+            reasons.append(
+                "tensors are on the CPU and TRITON_INTERPRET=1 is not set (set it before "
+                "importing fusedattn to run the Triton kernels in the interpreter)"
+            )
+        elif device.type not in ("cpu", "cuda"):
+            reasons.append(f"tensors are on {device.type}; Triton kernels need CUDA")
+    elif backend == "cuda":
+        error = _extension_import_error()
+        if error:
+            reasons.append(error)
+        if device.type != "cuda":
+            reasons.append(f"tensors are on {device.type}; the cuda backend needs CUDA tensors")
+    return reasons
+
+
+# ---- selection ---------------------------------------------------------------------------
+
+
+def resolve_backend_name(backend: str) -> str:
+    """The backend an op call asks for: the argument, or FUSEDATTN_BACKEND in place of auto."""
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env and env != "auto":
+            if env not in BACKENDS:
+                raise ValueError(f"{ENV_VAR} must be one of {(*BACKENDS, 'auto')}, got {env!r}")
+            return env
+    return backend
+
+
+def static_refusals(op: str, backend: str, device: torch.device) -> list[str]:
+    """Reasons `backend` cannot run `op` on `device` whatever the inputs; [] when it may."""
+    reasons = device_refusals(backend, device)
+    if backend not in _REGISTRY[op]:
+        reasons.append(f"fusedattn has no {backend} implementation of {op} yet")
+    return reasons
+
+
+def refusals(op: str, backend: str, device: torch.device, inputs: dict) -> list[str]:
+    """Every reason `backend` cannot run `op` on these inputs; [] when it can."""
+    reasons = static_refusals(op, backend, device)
+    impl = _REGISTRY[op].get(backend)
+    if impl is not None:
+        reasons += impl.refusals(**inputs)
+    return reasons
+
+
+def _format(reasons: list[str]) -> str:
+    return "".join(f"\n  - {r}" for r in reasons)
+
+
+def select(op: str, backend: str, device: torch.device, inputs: dict) -> Implementation:
+    """The implementation that runs `op`, or BackendUnavailableError saying why none can."""
+    name = resolve_backend_name(backend)
+    if name != "auto":
+        reasons = refusals(op, name, device, inputs)
+        if reasons:
+            via = f" (from {ENV_VAR})" if backend == "auto" else ""
+            raise BackendUnavailableError(
+                f"backend={name!r}{via} cannot run {op} on these inputs:{_format(reasons)}"
+            )
+        return _REGISTRY[op][name]
+    tried = []
+    for candidate in AUTO_ORDER.get(device.type, ("reference",)):
+        reasons = refusals(op, candidate, device, inputs)
+        if not reasons:
+            return _REGISTRY[op][candidate]
+        tried.append(f"{candidate}: " + "; ".join(reasons))
+    raise BackendUnavailableError(f"no backend can run {op} on these inputs:{_format(tried)}")
+
+
+def available_backends(device: str | torch.device | None = None) -> list[str]:
+    """Backends that can run at least one op on `device` (default: cuda if present, else cpu)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    return [b for b in BACKENDS if any(not static_refusals(op, b, device) for op in OPS)]
+
+
+def backend_report(device: str | torch.device) -> dict[str, dict[str, list[str]]]:
+    """{op: {backend: reasons}} for input-independent reasons; [] = usable on `device`."""
+    device = torch.device(device)
+    return {op: {b: static_refusals(op, b, device) for b in BACKENDS} for op in OPS}

@@ -1,0 +1,196 @@
+"""Argument validation shared by every backend of every op.
+
+Each public op validates here first, so bad input gets one clear `TypeError`/`ValueError`
+naming the argument and the expected shape or dtype before any backend is chosen or any
+kernel launched, and every backend (reference included) sees the same rules.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def shape_str(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def check_tensor(name: str, t, *, dims: int | None = None, layout: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {shape_str(t.shape)}")
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(
+            f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}"
+        )
+
+
+def check_mask(name: str, mask, target_shape: Sequence[int], device: torch.device) -> None:
+    """A bool or float mask that broadcasts to `target_shape` without changing it."""
+    check_tensor(name, mask)
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"{name} must be bool or floating point, got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"{name} must be on {device}, got {mask.device}")
+    target = tuple(target_shape)
+    ok = mask.dim() <= len(target)
+    if ok:
+        try:
+            ok = tuple(torch.broadcast_shapes(mask.shape, target)) == target
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape_str(mask.shape)} does not broadcast to {shape_str(target)}"
+        )
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_scale(scale) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (float(scale) == float(scale) and abs(float(scale)) != float("inf")):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def check_attention_args(
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+) -> None:
+    """Validate the arguments of `fusedattn.attention` (SDPA's layout and mask conventions)."""
+    check_tensor("q", q, dims=4, layout="(B, Hq, Tq, D)")
+    check_tensor("k", k, dims=4, layout="(B, Hkv, Tk, D)")
+    check_tensor("v", v, dims=4, layout="(B, Hkv, Tk, Dv)")
+    check_float_dtype("q", q)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    B, Hq, Tq, D = q.shape
+    Bk, Hkv, Tk, Dk = k.shape
+    Bv, Hv, Tv, _ = v.shape
+    if Bk != B or Bv != B:
+        raise ValueError(
+            f"q, k and v must have the same batch size, got {B}, {Bk} and {Bv} "
+            f"(q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)})"
+        )
+    if Dk != D:
+        raise ValueError(f"k must have q's head dim {D} in its last dimension, got {Dk}")
+    if Hv != Hkv or Tv != Tk:
+        raise ValueError(
+            f"v must have k's heads and length (B, {Hkv}, {Tk}, Dv), got {shape_str(v.shape)}"
+        )
+    if D == 0 or v.shape[-1] == 0:
+        raise ValueError("q, k and v must have a head dim of at least 1")
+    check_bool("enable_gqa", enable_gqa)
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: Hq must be a multiple of Hkv")
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(
+            f"q has {Hq} heads and k/v have {Hkv}: pass enable_gqa=True for grouped-query attention"
+        )
+    if attn_mask is not None:
+        check_mask("attn_mask", attn_mask, (B, Hq, Tq, Tk), q.device)
+    if key_padding_mask is not None:
+        check_tensor("key_padding_mask", key_padding_mask, dims=2, layout="(B, Tk)")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"key_padding_mask must be bool (True = padding key), got {key_padding_mask.dtype}"
+            )
+        if tuple(key_padding_mask.shape) != (B, Tk):
+            raise ValueError(
+                f"key_padding_mask must have shape (B, Tk) = ({B}, {Tk}), "
+                f"got {shape_str(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(
+                f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}"
+            )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    check_bool("is_causal", is_causal)
+    check_scale(scale)
+
+
+def normalize_shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        return (int(normalized_shape),)
+    if isinstance(normalized_shape, torch.Size | Sequence) and all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in normalized_shape
+    ):
+        return tuple(int(s) for s in normalized_shape)
+    raise TypeError(
+        f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+    )
+
+
+def check_layer_norm_args(x, normalized_shape, weight, bias, eps) -> tuple[int, ...]:
+    """Validate `fusedattn.layer_norm`; returns normalized_shape as a tuple."""
+    check_tensor("x", x)
+    check_float_dtype("x", x)
+    shape = normalize_shape(normalized_shape)
+    if len(shape) == 0 or any(s <= 0 for s in shape):
+        raise ValueError(f"normalized_shape must be non-empty and positive, got {shape}")
+    if x.dim() < len(shape) or tuple(x.shape[-len(shape) :]) != shape:
+        raise ValueError(
+            f"x of shape {shape_str(x.shape)} must end with normalized_shape {shape_str(shape)}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_tensor(name, p)
+        if tuple(p.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape normalized_shape {shape_str(shape)}, "
+                f"got {shape_str(p.shape)}"
+            )
+        if p.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{name} must be {x.dtype} (the dtype of x) or float32, got {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"{name} must be on {x.device}, got {p.device}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not float(eps) >= 0.0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return shape
+
+
+def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
+    """Validate `fusedattn.softmax`; returns `dim` made non-negative."""
+    check_tensor("x", x)
+    check_float_dtype("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} is out of range for x with {x.dim()} dimensions")
+    dim = int(dim) % x.dim()
+    if mask is not None:
+        check_mask("mask", mask, x.shape, x.device)
+    check_scale(scale)
+    check_bool("is_causal", is_causal)
+    if is_causal and (x.dim() < 2 or dim != x.dim() - 1):
+        raise ValueError(
+            "is_causal=True needs x of shape (..., Tq, Tk) and dim=-1 (the key dimension), "
+            f"got x {shape_str(x.shape)} and dim={dim}"
+        )
+    return dim

@@ -1,0 +1,41 @@
+"""`fusedattn.layer_norm`: validation, backend dispatch, and the reference / torch backends."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from . import backends
+from .checks import check_layer_norm_args
+
+
+def _torch_layer_norm(x, normalized_shape, weight, bias, eps):
+    return F.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def _reference_layer_norm(x, normalized_shape, weight, bias, eps):
+    return reference.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+backends.register("layer_norm", "reference", _reference_layer_norm, backends.no_refusals)
+backends.register("layer_norm", "torch", _torch_layer_norm, backends.no_refusals)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """LayerNorm over the trailing `normalized_shape` dims, as `F.layer_norm`.
+
+    weight and bias are optional and may be x's dtype or float32; statistics are fp32 and the
+    variance biased, as torch; the output has x's dtype.
+    """
+    shape = check_layer_norm_args(x, normalized_shape, weight, bias, eps)
+    inputs = dict(x=x, normalized_shape=shape, weight=weight, bias=bias, eps=float(eps))
+    return backends.select("layer_norm", backend, x.device, inputs).run(**inputs)

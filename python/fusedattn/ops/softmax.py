@@ -1,0 +1,52 @@
+"""`fusedattn.softmax`: validation, backend dispatch, and the reference / torch backends."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..masks import causal_mask
+from . import backends
+from .checks import check_softmax_args
+
+
+def _torch_softmax(x, dim, mask, scale, is_causal):
+    """torch.softmax on the masked, scaled input; rows with no finite entry give 0."""
+    dtype = x.dtype  # a float32 mask promotes a half input: compute in fp32, return x's dtype
+    if scale is not None:
+        x = x * scale
+    if mask is not None:
+        x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
+    if is_causal:
+        x = x.masked_fill(~causal_mask(x.shape[-2], x.shape[-1], device=x.device), float("-inf"))
+    # torch.softmax gives NaN on a row of -inf; zero it before and after (detached max, so the
+    # zeroed rows also get a zero gradient).
+    dead = x.detach().amax(dim, keepdim=True) == float("-inf")
+    return torch.softmax(x.masked_fill(dead, 0.0), dim).masked_fill(dead, 0.0).to(dtype)
+
+
+def _reference_softmax(x, dim, mask, scale, is_causal):
+    return reference.softmax(x, dim, mask=mask, scale=scale, is_causal=is_causal)
+
+
+backends.register("softmax", "reference", _reference_softmax, backends.no_refusals)
+backends.register("softmax", "torch", _torch_softmax, backends.no_refusals)
+
+
+def softmax(
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Softmax of `x * scale` along `dim`; `mask` bool (True = keep) or float (added).
+
+    is_causal masks x of shape (..., Tq, Tk) top-left along dim=-1 (Tq != Tk allowed). Rows
+    with nothing kept give 0 output and 0 gradient, never NaN.
+    """
+    dim = check_softmax_args(x, dim, mask, scale, is_causal)
+    inputs = dict(x=x, dim=dim, mask=mask, scale=scale, is_causal=is_causal)
+    return backends.select("softmax", backend, x.device, inputs).run(**inputs)
