@@ -1,0 +1,113 @@
+"""The benchmark harness on CPU: FLOP and byte formulas, the CSV schema, speedups, and a real
+quick run of each family writing a CSV whose rows pass the k× check."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import harness
+
+
+def test_attention_flops():
+    # Two matmuls of 2·Tq·Tk·D per head: 4·B·H·Tq·Tk·D.
+    assert harness.attention_flops(2, 3, 5, 7, 11) == 4 * 2 * 3 * 5 * 7 * 11
+    assert harness.attention_flops(1, 1, 8, 8, 4, causal=True) == 4 * 8 * 8 * 4 / 2
+    assert harness.attention_flops(1, 1, 8, 8, 4, mode="bwd") == 2.5 * 4 * 8 * 8 * 4
+    assert harness.attention_flops(1, 1, 8, 8, 4, mode="fwd+bwd") == 3.5 * 4 * 8 * 8 * 4
+    assert harness.tflops(1e12, 1000.0) == pytest.approx(1.0)
+
+
+def test_rowwise_bytes_read_each_input_once_and_write_each_output_once():
+    M, N, size = 10, 100, 2
+    assert harness.rowwise_bytes(M, N, size) == 2 * M * N * size
+    assert harness.rowwise_bytes(M, N, size, mode="bwd") == 3 * M * N * size
+    ln_fwd = harness.rowwise_bytes(M, N, size, param_vectors=2, stat_bytes_per_row=8)
+    assert ln_fwd == 2 * M * N * size + 2 * N * size
+    ln_bwd = harness.rowwise_bytes(M, N, size, mode="bwd", param_vectors=2, stat_bytes_per_row=8)
+    # reads x, dy, w, b, mean, rstd; writes dx, dw, db
+    assert ln_bwd == 3 * M * N * size + 4 * N * size + 8 * M
+    both = harness.rowwise_bytes(M, N, size, mode="fwd+bwd", param_vectors=2, stat_bytes_per_row=8)
+    assert both == ln_fwd + ln_bwd
+    assert harness.gbps(1e9, 1000.0) == pytest.approx(1.0)
+
+
+def test_schema_has_the_design_columns_and_rejects_unknown_fields(tmp_path):
+    design = [
+        "op",
+        "impl",
+        "dtype",
+        "B",
+        "H",
+        "Tq",
+        "Tk",
+        "D",
+        "N",
+        "causal",
+        "mask",
+        "pass",
+        "ms",
+        "tflops",
+        "gbps",
+        "peak_mem_mb",
+        "speedup_vs_naive",
+        "device",
+        "torch",
+        "triton",
+        "cuda",
+        "git_sha",
+        "date",
+    ]
+    assert set(design) <= set(harness.COLUMNS)
+    env = harness.environment()
+    assert env["torch"] == torch.__version__ and env["date"]
+    row = harness.make_row(env, op="softmax", mode="fwd", impl="naive", ms=1.23456789)
+    assert row["ms"] == 1.2346 and row["device"] == env["device"] and row["N"] == ""
+    with pytest.raises(KeyError, match="not in the CSV schema"):
+        harness.make_row(env, op="softmax", speed=3)
+    path = harness.write_csv([row], tmp_path / "x.csv")
+    back = harness.read_csv(path)
+    assert list(back[0]) == harness.COLUMNS and back[0]["impl"] == "naive"
+
+
+def test_speedup_is_naive_time_over_impl_time_for_the_same_case():
+    env = {"device": "cpu"}
+    rows = [
+        harness.make_row(env, op="softmax", mode="fwd", impl="naive", N=8, ms=4.0),
+        harness.make_row(env, op="softmax", mode="fwd", impl="torch", N=8, ms=1.0),
+        harness.make_row(env, op="softmax", mode="fwd", impl="torch", N=16, ms=1.0),
+    ]
+    harness.add_speedups(rows)
+    assert [r["speedup_vs_naive"] for r in rows] == [1.0, 4.0, ""]
+
+
+def test_correctness_verdict():
+    ref = torch.randn(8, dtype=torch.float64)
+    assert harness.correctness(ref.float(), ref, ref.float()) == "yes"
+    assert harness.correctness(ref.float() + 1, ref, ref.float()).startswith("no: ")
+
+
+def test_device_slug():
+    assert harness.device_slug({"device": "NVIDIA H200"}) == "nvidia-h200"
+    assert harness.device_slug({"device": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100"
+    assert harness.device_slug({"device": "cpu"}) == "cpu"
+
+
+def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys):
+    import run_all
+
+    assert run_all.main(["--quick", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "Summary" in text
+    for name in ("attention", "layernorm", "softmax"):
+        rows = harness.read_csv(tmp_path / f"{name}.csv")
+        assert rows and all(r["pass"] == "yes" for r in rows)
+        assert {r["mode"] for r in rows} == {"fwd", "bwd", "fwd+bwd"}
+        assert all(float(r["ms"]) > 0 for r in rows)
+        assert any(r["speedup_vs_naive"] not in ("", "1.0") for r in rows)
+    if not torch.cuda.is_available():
+        assert "reduced CPU suite" in text
+        assert "fusedattn-triton not measured" in text

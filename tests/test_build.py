@@ -1,0 +1,72 @@
+"""Packaging: the setup.py build decision, and the compiled extension's real metadata.
+
+CI sets FUSEDATTN_EXPECT_CUDA_BUILD=1 (it builds fusedattn._C with nvcc), so there a missing
+or broken extension fails instead of skipping.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+import fusedattn.info
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def setup_module_():
+    spec = importlib.util.spec_from_file_location("fusedattn_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # setup() only runs under __main__
+    return module
+
+
+def test_skip_flag_wins(setup_module_):
+    build, reason = setup_module_.cuda_build_decision({"FUSEDATTN_SKIP_CUDA_BUILD": "1"})
+    assert not build and "FUSEDATTN_SKIP_CUDA_BUILD" in reason
+
+
+def test_no_toolkit_means_a_clean_skip(setup_module_, tmp_path, monkeypatch):
+    monkeypatch.setattr(setup_module_, "Path", lambda p: tmp_path / "nowhere")
+    build, reason = setup_module_.cuda_build_decision({"PATH": str(tmp_path)})
+    import torch
+
+    if torch.version.cuda is None:
+        assert not build and "CPU build" in reason
+    else:
+        assert not build and "nvcc" in reason
+
+
+def test_cuda_home_is_the_real_toolkit_not_the_wrapper_dir(setup_module_, tmp_path):
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").touch()
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    wrapper_dir = tmp_path / "local-bin"
+    wrapper_dir.mkdir()
+    (wrapper_dir / "nvcc").symlink_to(nvcc)
+    assert setup_module_.guess_cuda_home({"PATH": str(wrapper_dir)}) == str(toolkit)
+    assert setup_module_.guess_cuda_home({"CUDA_HOME": "/x", "PATH": ""}) == "/x"
+
+
+def test_extension_reports_real_build_metadata():
+    ext = fusedattn.info.extension_info()
+    if not ext["built"]:
+        if os.environ.get("FUSEDATTN_EXPECT_CUDA_BUILD") == "1":
+            pytest.fail(f"fusedattn._C should have been built: {ext['reason']}")
+        pytest.skip(f"fusedattn._C not built here: {ext['reason']}")
+    import torch
+
+    assert ext["cuda_compiled"] == torch.version.cuda
+    assert ext["archs"], "nvcc compiled for no arch"
+    expected = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    for arch in expected.replace(" ", ";").split(";"):
+        if arch:
+            assert "sm_" + arch.replace(".", "").rstrip("a").replace("+PTX", "") in ext["archs"]
+    assert ext["attention_head_dims"] == [32, 64, 96, 128, 256]
+    assert ext["torch_compiled"] == torch.__version__.split("+")[0]

@@ -1,0 +1,157 @@
+"""Backend dispatch: names, FUSEDATTN_BACKEND, auto order, refusals listing every reason, and
+which implementation actually ran."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.ops import backends
+
+
+def small_qkv():
+    return torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+
+
+def chosen(op, backend="auto", **inputs):
+    device = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
+    return backends.select(op, backend, device, inputs).backend
+
+
+def attn_inputs(**overrides):
+    q, k, v = small_qkv()
+    base = dict(
+        q=q,
+        k=k,
+        v=v,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        key_padding_mask=None,
+        return_lse=False,
+    )
+    return base | overrides
+
+
+def test_auto_on_cpu_runs_torch_and_falls_to_reference_only_for_what_torch_refuses():
+    assert chosen("attention", **attn_inputs()) == "torch"
+    assert chosen("attention", **attn_inputs(return_lse=True)) == "reference"
+    assert (
+        chosen(
+            "layer_norm",
+            x=torch.randn(2, 4),
+            normalized_shape=(4,),
+            weight=None,
+            bias=None,
+            eps=1e-5,
+        )
+        == "torch"
+    )
+    assert (
+        chosen("softmax", x=torch.randn(2, 4), dim=1, mask=None, scale=None, is_causal=False)
+        == "torch"
+    )
+
+
+def test_the_chosen_implementation_is_the_one_that_runs(monkeypatch):
+    ran = []
+    impl = backends._REGISTRY["softmax"]["reference"]
+    monkeypatch.setitem(
+        backends._REGISTRY["softmax"],
+        "reference",
+        backends.Implementation(
+            "softmax",
+            "reference",
+            lambda **kw: ran.append("reference") or impl.run(**kw),
+            impl.refusals,
+        ),
+    )
+    fusedattn.softmax(torch.randn(2, 3), backend="reference")
+    assert ran == ["reference"]
+    fusedattn.softmax(torch.randn(2, 3))  # auto on CPU: torch
+    assert ran == ["reference"]
+
+
+def test_env_override_replaces_auto_but_not_an_explicit_backend(monkeypatch):
+    monkeypatch.setenv("FUSEDATTN_BACKEND", "reference")
+    assert chosen("attention", **attn_inputs()) == "reference"
+    assert chosen("attention", backend="torch", **attn_inputs()) == "torch"
+    monkeypatch.setenv("FUSEDATTN_BACKEND", "torch")
+    with pytest.raises(ValueError, match=r"backend='torch' \(from FUSEDATTN_BACKEND\)"):
+        fusedattn.attention(*small_qkv(), return_lse=True)
+    monkeypatch.setenv("FUSEDATTN_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="FUSEDATTN_BACKEND must be one of"):
+        fusedattn.attention(*small_qkv())
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fusedattn.attention(*small_qkv(), backend="flash")
+
+
+def test_explicit_backend_refusal_lists_every_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(fusedattn.BackendUnavailableError) as info:
+        fusedattn.attention(*small_qkv(), backend="triton")
+    message = str(info.value)
+    assert "TRITON_INTERPRET=1 is not set" in message
+    assert "no triton implementation of attention" in message
+    with pytest.raises(ValueError) as info:
+        fusedattn.attention(*small_qkv(), backend="cuda")
+    assert "needs CUDA tensors" in str(info.value)
+    assert "no cuda implementation of attention" in str(info.value)
+
+
+def test_torch_backend_refuses_return_lse_with_its_reason():
+    with pytest.raises(ValueError, match="does not return the log-sum-exp"):
+        fusedattn.attention(*small_qkv(), return_lse=True, backend="torch")
+
+
+def test_no_backend_at_all_lists_each_candidate(monkeypatch):
+    monkeypatch.setattr(backends, "AUTO_ORDER", {"cpu": ("triton", "cuda")})
+    with pytest.raises(ValueError, match="no backend can run softmax") as info:
+        fusedattn.softmax(torch.randn(2, 3))
+    assert "triton:" in str(info.value) and "cuda:" in str(info.value)
+
+
+def test_available_backends_on_cpu():
+    assert fusedattn.available_backends("cpu") == ["reference", "torch"]
+    report = backends.backend_report("cpu")
+    assert set(report) == {"attention", "layer_norm", "softmax"}
+    assert report["attention"]["reference"] == [] and report["attention"]["torch"] == []
+    assert report["softmax"]["triton"] and report["softmax"]["cuda"]
+
+
+def _run(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+
+def test_import_touches_neither_triton_nor_cuda():
+    out = _run(
+        "import sys, torch, fusedattn;print('triton' in sys.modules, torch.cuda.is_initialized())"
+    ).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_info_cli_reports_versions_extension_and_backends():
+    text = subprocess.run(
+        [sys.executable, "-m", "fusedattn.info"], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"fusedattn {fusedattn.__version__}" in text
+    assert f"torch {torch.__version__}" in text
+    assert "fusedattn._C:" in text and "attention:" in text
+    data = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "fusedattn.info", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    assert data["torch"] == torch.__version__
+    assert "reference" in data["available_backends"]
