@@ -1,0 +1,272 @@
+"""Shared benchmark harness: timing, FLOP/byte formulas, environment capture, the CSV schema.
+
+Every bench_*.py builds rows with `make_row` and writes them with `write_csv`, so one schema
+(DESIGN.md) holds for every family:
+
+  op, mode, impl, dtype, B, H, Tq, Tk, D, M, N, causal, mask, pass, ms, tflops, gbps,
+  peak_mem_mb, speedup_vs_naive, device, torch, triton, cuda, git_sha, date, note
+
+(M is the row count of LayerNorm and softmax, N their row length; mode is fwd, bwd or fwd+bwd.)
+
+Timing: `triton.testing.do_bench` medians on CUDA (it warms up, flushes the L2 between runs and
+sizes the repetitions by time); on CPU a perf_counter median after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import fusedattn.info
+from fusedattn.testing import compare_kx
+
+COLUMNS = [
+    "op", "mode", "impl", "dtype", "B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask", "pass",
+    "ms", "tflops", "gbps", "peak_mem_mb", "speedup_vs_naive", "device", "torch", "triton",
+    "cuda", "git_sha", "date", "note",
+]  # fmt: skip
+MODES = ("fwd", "bwd", "fwd+bwd")
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- FLOPs and bytes ----------------------------------------------------------------------
+
+
+def attention_flops(B, H, Tq, Tk, D, *, causal=False, mode="fwd") -> float:
+    """4·B·H·Tq·Tk·D forward (two matmuls of 2·Tq·Tk·D), half when causal; backward 2.5× the
+    forward (five matmuls); fwd+bwd 3.5×."""
+    fwd = 4.0 * B * H * Tq * Tk * D * (0.5 if causal else 1.0)
+    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+
+
+def rowwise_bytes(M, N, element_size, *, mode="fwd", param_vectors=0, stat_bytes_per_row=0):
+    """Bytes a row-wise op (LayerNorm, softmax) must move: each input read once, each output
+    written once.
+
+    fwd reads x and writes y (M·N each), plus `param_vectors` length-N parameters (weight,
+    bias). bwd reads x (or y) and dy and writes dx (3·M·N), re-reads the parameters, writes
+    their gradients, and reads `stat_bytes_per_row` of saved statistics (LayerNorm's mean and
+    rstd). fwd+bwd is the sum.
+    """
+    mn = M * N * element_size
+    params = param_vectors * N * element_size
+    fwd = 2 * mn + params
+    bwd = 3 * mn + 2 * params + M * stat_bytes_per_row
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+# ---- environment --------------------------------------------------------------------------
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    if out.returncode != 0:
+        return ""
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
+    )
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict:
+    info = fusedattn.info.collect()
+    return {
+        "device": info["gpu"]["name"] if info["gpu"] else "cpu",
+        "torch": info["torch"],
+        "triton": info["triton"] or "",
+        "cuda": info["torch_cuda"] or "",
+        "git_sha": git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def device_slug(env: dict) -> str:
+    """A folder name for results/: 'cpu', 'nvidia-h200', ..."""
+    name = env["device"].lower()
+    for junk in (" nvl", " sxm5", " pcie", " 80gb", " 141gb", " hbm3", " hbm3e"):
+        name = name.replace(junk, "")
+    return "-".join(name.replace("_", " ").split())
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], object], *, device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of fn()."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def peak_memory_mb(fn: Callable[[], object], *, device: torch.device) -> float | None:
+    """Extra device memory fn() allocates at its peak, over what was allocated before; None on
+    CPU (torch's CPU allocator keeps no peak statistics)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def mode_callables(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]):
+    """{mode: callable} for fwd, bwd (backward of a saved graph) and fwd+bwd."""
+    out = forward()
+    grad = torch.randn_like(out)
+
+    def fwd():
+        with torch.no_grad():
+            return forward()
+
+    def bwd():
+        return torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(forward(), inputs, grad)
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+def correctness(out, ref, baseline, *, k=2.0) -> str:
+    """'yes' / 'no: <worst element>' by the k× rule; '' when there is nothing to compare."""
+    if out is None or ref is None:
+        return ""
+    result = compare_kx(out, ref, baseline, k=k)
+    return "yes" if result.ok else "no: " + result.message
+
+
+# ---- rows and files -------------------------------------------------------------------------
+
+
+def make_row(env: dict, **fields) -> dict:
+    unknown = set(fields) - set(COLUMNS)
+    if unknown:
+        raise KeyError(f"not in the CSV schema: {sorted(unknown)}")
+    row = dict.fromkeys(COLUMNS, "")
+    row.update({k: v for k, v in env.items() if k in COLUMNS})
+    for key, value in fields.items():
+        row[key] = "" if value is None else (round(value, 4) if isinstance(value, float) else value)
+    return row
+
+
+def add_speedups(rows: list[dict], naive_impl: str = "naive") -> None:
+    """speedup_vs_naive = naive ms / impl ms for rows sharing every shape column and mode."""
+    key_cols = ("op", "mode", "dtype", "B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask")
+    naive = {tuple(r[c] for c in key_cols): r["ms"] for r in rows if r["impl"] == naive_impl}
+    for r in rows:
+        base = naive.get(tuple(r[c] for c in key_cols))
+        if base not in (None, "") and r["ms"] not in (None, ""):
+            r["speedup_vs_naive"] = round(float(base) / float(r["ms"]), 3)
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def read_csv(path: Path) -> list[dict]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def measure(env, device, *, op, impls, leaves, check, fields, work) -> list[dict]:
+    """Time every impl in every mode on one case; one row each.
+
+    impls: {name: fn(*leaves) -> out}; leaves: input tensors that get gradients; check(name)
+    -> the `pass` verdict of that impl; fields: the case's shape columns; work(mode) -> (flops, bytes), either
+    None. An impl that refuses the case (RuntimeError/ValueError) is reported and skipped.
+    """
+    rows = []
+    for name, fn in impls.items():
+        try:
+            verdict = check(name)
+            grads_of = [t.detach().requires_grad_() for t in leaves]
+            callables = mode_callables(lambda fn=fn, g=grads_of: fn(*g), grads_of)
+        except (RuntimeError, ValueError) as exc:  # e.g. SDPA flash refuses a mask
+            print(f"  {op} {name}: not run for {fields}: {str(exc).splitlines()[0][:120]}")
+            continue
+        for mode, call in callables.items():
+            ms = time_ms(call, device=device)
+            flops, nbytes = work(mode)
+            row = make_row(
+                env, op=op, mode=mode, impl=name, ms=ms,
+                tflops=None if flops is None else tflops(flops, ms),
+                gbps=None if nbytes is None else gbps(nbytes, ms),
+                peak_mem_mb=peak_memory_mb(call, device=device),
+                **fields, **{"pass": verdict},
+            )  # fmt: skip
+            progress(row)
+            rows.append(row)
+        del callables
+    return rows
+
+
+def cli(run: Callable, csv_name: str, argv=None) -> None:
+    """The command line of every bench_*.py: [--quick] [--out DIR]."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=f"writes {csv_name}")
+    parser.add_argument("--quick", action="store_true", help="small, CPU-friendly sizes")
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment()
+    out = args.out or REPO / "benchmarks" / "results" / device_slug(env)
+    rows = run(args.quick, device, env)
+    print(f"wrote {write_csv(rows, out / csv_name)}")
+
+
+def missing_backends(op: str, device: torch.device) -> dict[str, list[str]]:
+    """fusedattn kernel backends (triton, cuda) that cannot run `op` here, with the reasons."""
+    from fusedattn.ops import backends
+
+    report = backends.backend_report(device)[op]
+    return {b: report[b] for b in ("triton", "cuda") if report[b]}
+
+
+def progress(row: dict) -> None:
+    shape = " ".join(
+        f"{c}={row[c]}"
+        for c in ("B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask")
+        if row[c] != ""
+    )
+    speed = f"{row['tflops']} TFLOP/s" if row["tflops"] != "" else f"{row['gbps']} GB/s"
+    print(
+        f"  {row['op']:<10} {row['mode']:<7} {row['impl']:<16} {row['dtype']:<8} {shape:<44} "
+        f"{row['ms']:>9} ms  {speed:>14}  pass={row['pass'][:3] or '-'}",
+        flush=True,
+    )
