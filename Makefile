@@ -1,0 +1,65 @@
+# fusedattn developer commands. Every target works on a fresh machine: `make test` and
+# `make bench` install what is missing first (into the current Python environment).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+# torch guesses CUDA_HOME from `which nvcc`, wrong where nvcc is a wrapper script; setup.py
+# corrects that, and a toolkit at /usr/local/cuda is named here for torch's own tools too.
+ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
+export CUDA_HOME ?= /usr/local/cuda
+endif
+
+RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib
+LINT_DEPS := ruff clang-format
+CSRC := $(shell find csrc -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h')
+# One stamp per Python environment, so a new venv reinstalls.
+ENV_ID := $(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])")
+INSTALL_STAMP := build/.installed-$(ENV_ID)
+OUT ?= build/gpu-check
+
+.PHONY: install deps test test-fast test-gpu bench lint lint-deps format gpu-check clean
+
+deps:
+	@missing=$$(for m in $(RUNTIME_DEPS); do $(PYTHON) -c "import $$m" 2>/dev/null || echo $$m; done); \
+	if [ -n "$$missing" ]; then echo "installing:" $$missing; $(PIP) install $$missing; fi
+
+install: deps
+	$(PIP) install --no-build-isolation -e .
+	@mkdir -p build && touch $(INSTALL_STAMP)
+
+$(INSTALL_STAMP): setup.py pyproject.toml $(CSRC)
+	$(MAKE) install
+
+test: $(INSTALL_STAMP)
+	$(PYTHON) -m pytest -m "not gpu" tests
+
+test-fast: $(INSTALL_STAMP)
+	$(PYTHON) -m pytest -q -m "not gpu and not slow" tests
+
+test-gpu: $(INSTALL_STAMP)
+	$(PYTHON) -m pytest -m gpu tests
+
+bench: $(INSTALL_STAMP)
+	$(PYTHON) benchmarks/run_all.py $(BENCH_ARGS)
+
+lint-deps:
+	@missing=$$(for m in $(LINT_DEPS); do command -v $$m >/dev/null || echo $$m; done); \
+	if [ -n "$$missing" ]; then echo "installing:" $$missing; $(PIP) install $$missing; fi
+
+lint: lint-deps
+	ruff check .
+	ruff format --check .
+	clang-format --dry-run -Werror $(CSRC)
+
+format: lint-deps
+	ruff check --fix .
+	ruff format .
+	clang-format -i $(CSRC)
+
+# On the GPU machine (no network there): build, GPU tests and quick benchmarks in one call;
+# logs and CSVs go to $(OUT).
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT)
+
+clean:
+	rm -rf build dist python/*.egg-info python/fusedattn/_C*.so
