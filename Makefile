@@ -25,6 +25,7 @@ deps:
 
 install: deps
 	$(PIP) install --no-build-isolation -e .
+	@$(PYTHON) -m fusedattn.info --extension
 	@mkdir -p build && touch $(INSTALL_STAMP)
 
 $(INSTALL_STAMP): setup.py pyproject.toml $(CSRC)

@@ -28,24 +28,26 @@ def _flag(name: str, environ=os.environ) -> bool:
     return environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _is_toolkit(root: Path) -> bool:
+    return (root / "include" / "cuda_runtime.h").exists() and (root / "bin" / "nvcc").exists()
+
+
 def guess_cuda_home(environ=os.environ) -> str | None:
-    """The toolkit root: $CUDA_HOME, else the directory of the real nvcc binary.
+    """The toolkit root: $CUDA_HOME if it holds a toolkit, else the root of the real nvcc.
 
     torch derives CUDA_HOME from `which nvcc`, which picks /usr/local when nvcc is a wrapper
     script in /usr/local/bin; the link then fails on -lcudart. So look for a root that has
-    include/cuda_runtime.h, following the nvcc we can find and the usual install path.
+    include/cuda_runtime.h and bin/nvcc: $CUDA_HOME, the nvcc on PATH followed through links,
+    then /usr/local/cuda.
     """
     if environ.get("CUDA_HOME"):
-        return environ["CUDA_HOME"]
+        return environ["CUDA_HOME"] if _is_toolkit(Path(environ["CUDA_HOME"])) else None
     candidates = []
     nvcc = shutil.which("nvcc", path=environ.get("PATH"))
     if nvcc:
         candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
     candidates.append(Path("/usr/local/cuda"))
-    for root in candidates:
-        if (root / "include" / "cuda_runtime.h").exists() and (root / "bin" / "nvcc").exists():
-            return str(root)
-    return None
+    return next((str(root) for root in candidates if _is_toolkit(root)), None)
 
 
 def cuda_build_decision(environ=os.environ) -> tuple[bool, str]:
@@ -63,7 +65,12 @@ def cuda_build_decision(environ=os.environ) -> tuple[bool, str]:
         return False, f"torch {torch.__version__} is a CPU build"
     cuda_home = guess_cuda_home(environ)
     if cuda_home is None:
-        return False, "nvcc / the CUDA toolkit was not found (set CUDA_HOME)"
+        where = (
+            f"CUDA_HOME={environ['CUDA_HOME']} has no bin/nvcc"
+            if environ.get("CUDA_HOME")
+            else "nvcc was not found"
+        )
+        return False, f"{where}; set CUDA_HOME to a CUDA toolkit to build fusedattn._C"
     return True, f"CUDA {torch.version.cuda} toolkit at {cuda_home}"
 
 

@@ -98,11 +98,10 @@ def implementations(device) -> dict:
                 )
 
         impls[name] = sdpa
-    for backend in fusedattn.available_backends(device):
-        if backend in ("triton", "cuda"):
-            impls[f"fusedattn-{backend}"] = lambda q, k, v, m, kpm, c, b=backend: (
-                fusedattn.attention(q, k, v, m, is_causal=c, key_padding_mask=kpm, backend=b)
-            )
+    for backend in harness.kernel_backends("attention", device):
+        impls[f"fusedattn-{backend}"] = lambda q, k, v, m, kpm, c, b=backend: fusedattn.attention(
+            q, k, v, m, is_causal=c, key_padding_mask=kpm, backend=b
+        )
     return impls
 
 
@@ -124,8 +123,6 @@ def check_on_slice(fn, inputs, causal):
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
     impls = implementations(device)
-    for backend, reasons in harness.missing_backends("attention", device).items():
-        print(f"  attention: fusedattn-{backend} not measured: {'; '.join(reasons)}")
     rows = []
     for case in cases(quick, device):
         inputs = make_inputs(case, device)

@@ -31,18 +31,15 @@ def implementations(device) -> dict:
         "naive": lambda x, w, b: reference.layer_norm(x, x.shape[-1:], w, b),
         "torch": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
     }
-    for backend in fusedattn.available_backends(device):
-        if backend in ("triton", "cuda"):
-            impls[f"fusedattn-{backend}"] = lambda x, w, b, be=backend: fusedattn.layer_norm(
-                x, x.shape[-1:], w, b, backend=be
-            )
+    for backend in harness.kernel_backends("layer_norm", device):
+        impls[f"fusedattn-{backend}"] = lambda x, w, b, be=backend: fusedattn.layer_norm(
+            x, x.shape[-1:], w, b, backend=be
+        )
     return impls
 
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
     impls = implementations(device)
-    for backend, reasons in harness.missing_backends("layer_norm", device).items():
-        print(f"  layer_norm: fusedattn-{backend} not measured: {'; '.join(reasons)}")
     rows = []
     for M, N, dtype in cases(quick, device):
         x = torch.randn(M, N, device=device, dtype=dtype)

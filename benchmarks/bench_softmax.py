@@ -36,18 +36,15 @@ def implementations(device) -> dict:
         return torch.softmax(x, dim=-1)
 
     impls = {"naive": lambda x, keep: reference.softmax(x, -1, mask=keep), "torch": torch_softmax}
-    for backend in fusedattn.available_backends(device):
-        if backend in ("triton", "cuda"):
-            impls[f"fusedattn-{backend}"] = lambda x, keep, be=backend: fusedattn.softmax(
-                x, -1, mask=keep, backend=be
-            )
+    for backend in harness.kernel_backends("softmax", device):
+        impls[f"fusedattn-{backend}"] = lambda x, keep, be=backend: fusedattn.softmax(
+            x, -1, mask=keep, backend=be
+        )
     return impls
 
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
     impls = implementations(device)
-    for backend, reasons in harness.missing_backends("softmax", device).items():
-        print(f"  softmax: fusedattn-{backend} not measured: {'; '.join(reasons)}")
     rows = []
     for M, N, dtype, mask in cases(quick, device):
         x = torch.randn(M, N, device=device, dtype=dtype) * 4

@@ -88,10 +88,11 @@ def git_sha() -> str:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def environment() -> dict:
+def environment(device: torch.device | None = None) -> dict:
     info = fusedattn.info.collect()
+    on_gpu = info["gpu"] and (device is None or device.type == "cuda")
     return {
-        "device": info["gpu"]["name"] if info["gpu"] else "cpu",
+        "device": info["gpu"]["name"] if on_gpu else "cpu",
         "torch": info["torch"],
         "triton": info["triton"] or "",
         "cuda": info["torch_cuda"] or "",
@@ -250,12 +251,19 @@ def cli(run: Callable, csv_name: str, argv=None) -> None:
     print(f"wrote {write_csv(rows, out / csv_name)}")
 
 
-def missing_backends(op: str, device: torch.device) -> dict[str, list[str]]:
-    """fusedattn kernel backends (triton, cuda) that cannot run `op` here, with the reasons."""
+KERNEL_BACKENDS = ("triton", "cuda")
+
+
+def kernel_backends(op: str, device: torch.device) -> list[str]:
+    """fusedattn's own kernel backends that can run `op` here; the rest are announced with
+    their reasons. (reference and torch are measured as the naive and torch baselines.)"""
     from fusedattn.ops import backends
 
     report = backends.backend_report(device)[op]
-    return {b: report[b] for b in ("triton", "cuda") if report[b]}
+    for b in KERNEL_BACKENDS:
+        if report[b]:
+            print(f"  {op}: fusedattn-{b} not measured: {'; '.join(report[b])}")
+    return [b for b in KERNEL_BACKENDS if not report[b]]
 
 
 def progress(row: dict) -> None:

@@ -1,6 +1,7 @@
 """The benchmark suite (`make bench`): every kernel family on the available device.
 
     python benchmarks/run_all.py [--quick] [--out DIR] [--only attention,layernorm,softmax]
+                                 [--device cpu|cuda]
 
 Writes one CSV per family (harness.COLUMNS) into DIR (default benchmarks/results/<device>/)
 and prints a progress line per case and a summary at the end. On a CPU it runs the reduced
@@ -53,10 +54,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU-friendly)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the CSVs")
     parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = harness.environment()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    env = harness.environment(device)
     out = args.out or Path(__file__).resolve().parent / "results" / harness.device_slug(env)
     quick = args.quick
     if device.type != "cuda":

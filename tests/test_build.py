@@ -51,7 +51,8 @@ def test_cuda_home_is_the_real_toolkit_not_the_wrapper_dir(setup_module_, tmp_pa
     wrapper_dir.mkdir()
     (wrapper_dir / "nvcc").symlink_to(nvcc)
     assert setup_module_.guess_cuda_home({"PATH": str(wrapper_dir)}) == str(toolkit)
-    assert setup_module_.guess_cuda_home({"CUDA_HOME": "/x", "PATH": ""}) == "/x"
+    assert setup_module_.guess_cuda_home({"CUDA_HOME": str(toolkit), "PATH": ""}) == str(toolkit)
+    assert setup_module_.guess_cuda_home({"CUDA_HOME": str(tmp_path), "PATH": ""}) is None
 
 
 def test_extension_reports_real_build_metadata():

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from kx_check import attention_inputs
 
 import fusedattn
 from fusedattn.ops import backends
@@ -22,20 +23,7 @@ def chosen(op, backend="auto", **inputs):
 
 
 def attn_inputs(**overrides):
-    q, k, v = small_qkv()
-    base = dict(
-        q=q,
-        k=k,
-        v=v,
-        attn_mask=None,
-        dropout_p=0.0,
-        is_causal=False,
-        scale=None,
-        enable_gqa=False,
-        key_padding_mask=None,
-        return_lse=False,
-    )
-    return base | overrides
+    return attention_inputs(*small_qkv(), **overrides)
 
 
 def test_auto_on_cpu_runs_torch_and_falls_to_reference_only_for_what_torch_refuses():
@@ -154,4 +142,11 @@ def test_info_cli_reports_versions_extension_and_backends():
         ).stdout
     )
     assert data["torch"] == torch.__version__
+    line = subprocess.run(
+        [sys.executable, "-m", "fusedattn.info", "--extension"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert line.startswith("fusedattn._C: ") and line.count("\n") == 1
     assert "reference" in data["available_backends"]

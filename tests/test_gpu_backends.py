@@ -2,9 +2,12 @@
 rule, fully masked rows through each SDPA backend, and auto's choice on CUDA. Skipped
 cleanly without CUDA (conftest marker)."""
 
+from functools import partial
+
 import pytest
 import torch
-from hard_shapes import AttentionShape, leaf_copies, make_qkv
+from hard_shapes import AttentionShape, make_qkv
+from kx_check import assert_op_kx, attention_inputs
 
 import fusedattn
 from fusedattn import masks, reference
@@ -23,23 +26,19 @@ HALF = [torch.bfloat16, torch.float16]
     ids=str,
 )
 def test_torch_backend_attention_on_cuda(shape, causal, dtype):
-    q, k, v = make_qkv(shape, dtype, "cuda", layout="transposed", requires_grad=True)
-    kpm = masks.padding_mask_from_lengths(
-        torch.tensor([shape.Tk, shape.Tk // 3], device="cuda")[: shape.B], shape.Tk
+    q, k, v = make_qkv(shape, dtype, "cuda", layout="transposed")
+    lengths = torch.tensor([shape.Tk, shape.Tk // 3], device="cuda")[: shape.B]
+    assert_op_kx(
+        partial(fusedattn.attention, backend="torch"),
+        reference.attention,
+        dict(q=q, k=k, v=v),
+        kwargs=dict(
+            is_causal=causal,
+            enable_gqa=True,
+            key_padding_mask=masks.padding_mask_from_lengths(lengths, shape.Tk),
+        ),
+        grad_of=("q", "k", "v"),
     )
-    kw = dict(is_causal=causal, enable_gqa=True, key_padding_mask=kpm)
-    out = fusedattn.attention(q, k, v, backend="torch", **kw)
-    q64, k64, v64 = leaf_copies((q, k, v), torch.float64)
-    ref = reference.attention(q64, k64, v64, **kw)
-    qb, kb, vb = leaf_copies((q, k, v))
-    base = reference.attention(qb, kb, vb, **kw)
-    assert_close_kx(out, ref, base)
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
-    baseline = torch.autograd.grad(base, (qb, kb, vb), grad)
-    for name, a, r, b in zip(("dq", "dk", "dv"), got, want, baseline, strict=True):
-        assert_close_kx(a, r, b, name=name)
 
 
 @pytest.mark.parametrize("sdpa", ["EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"])
@@ -76,18 +75,7 @@ def test_torch_backend_layer_norm_and_softmax_on_cuda(N, dtype):
 
 def test_auto_on_cuda_picks_the_first_usable_backend():
     q = torch.randn(1, 2, 8, 16, device="cuda")
-    inputs = dict(
-        q=q,
-        k=q,
-        v=q,
-        attn_mask=None,
-        dropout_p=0.0,
-        is_causal=False,
-        scale=None,
-        enable_gqa=False,
-        key_padding_mask=None,
-        return_lse=False,
-    )
+    inputs = attention_inputs(q, q, q)
     usable = [
         b
         for b in backends.AUTO_ORDER["cuda"]

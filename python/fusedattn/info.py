@@ -81,6 +81,16 @@ def collect() -> dict:
     }
 
 
+def extension_line(ext: dict) -> str:
+    if not ext["built"]:
+        return f"fusedattn._C: not available: {ext['reason']}"
+    return (
+        f"fusedattn._C: built with CUDA {ext['cuda_compiled']} (runtime {ext['cuda_runtime']})"
+        f" for {', '.join(ext['archs']) or 'no archs'}; torch {ext['torch_compiled']}; "
+        f"ops: {', '.join(ext['ops']) or 'none yet'}"
+    )
+
+
 def render(info: dict) -> str:
     lines = [
         f"fusedattn {info['fusedattn']}",
@@ -95,15 +105,7 @@ def render(info: dict) -> str:
         )
     else:
         lines.append("GPU: none (torch.cuda.is_available() is False)")
-    ext = info["extension"]
-    if ext["built"]:
-        lines.append(
-            f"fusedattn._C: built with CUDA {ext['cuda_compiled']} (runtime {ext['cuda_runtime']})"
-            f" for {', '.join(ext['archs']) or 'no archs'}; torch {ext['torch_compiled']}; "
-            f"ops: {', '.join(ext['ops']) or 'none yet'}"
-        )
-    else:
-        lines.append(f"fusedattn._C: not available: {ext['reason']}")
+    lines.append(extension_line(info["extension"]))
     lines.append(f"TRITON_INTERPRET=1: {'yes' if info['triton_interpret'] else 'no'}")
     lines.append(f"{info['backend_env']}")
     lines.append(f"backends on {info['device']}: {', '.join(info['available_backends']) or 'none'}")
@@ -117,7 +119,13 @@ def render(info: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedattn.info", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    parser.add_argument(
+        "--extension", action="store_true", help="one line: is fusedattn._C built, for what"
+    )
     args = parser.parse_args(argv)
+    if args.extension:
+        print(extension_line(extension_info()))
+        return 0
     info = collect()
     print(json.dumps(info, indent=2) if args.json else render(info))
     return 0
