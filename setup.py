@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCH_LIST = "8.0;9.0a"
@@ -117,8 +117,7 @@ if __name__ == "__main__":
     setup(
         packages=[
             "fusedattn",
-            "fusedattn.ops",
-            "fusedattn.reference",
+            *(f"fusedattn.{p}" for p in find_packages("python/fusedattn")),
             "fusedattn.triton_kernels",
         ],
         package_dir={

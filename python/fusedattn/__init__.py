@@ -10,10 +10,14 @@ Importing fusedattn never initialises CUDA and never imports triton.
 
 from . import masks, reference
 from ._version import __version__
+from .modules import LayerNorm, MultiheadAttention, Softmax, swap_modules
 from .ops import BackendUnavailableError, attention, available_backends, layer_norm, softmax
 
 __all__ = [
     "BackendUnavailableError",
+    "LayerNorm",
+    "MultiheadAttention",
+    "Softmax",
     "__version__",
     "attention",
     "available_backends",
@@ -21,4 +25,5 @@ __all__ = [
     "masks",
     "reference",
     "softmax",
+    "swap_modules",
 ]

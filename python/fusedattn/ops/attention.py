@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from .. import reference
 from ..masks import merge_masks
 from . import backends
+from .autocast import apply_autocast
 from .checks import check_attention_args
 
 
@@ -87,6 +88,8 @@ def attention(
     Returns out (B, Hq, Tq, Dv), and lse (B, Hq, Tq) float32 when return_lse=True. A query
     that sees no key gives 0 output, 0 gradients and lse = -inf.
     """
+    cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
+    q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
     check_attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )

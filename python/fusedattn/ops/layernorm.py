@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from . import backends
+from .autocast import apply_autocast
 from .checks import check_layer_norm_args
 
 
@@ -36,6 +37,8 @@ def layer_norm(
     weight and bias are optional and may be x's dtype or float32; statistics are fp32 and the
     variance biased, as torch; the output has x's dtype.
     """
+    cast = apply_autocast("layer_norm", dict(x=x, weight=weight, bias=bias))
+    x, weight, bias = cast["x"], cast["weight"], cast["bias"]
     shape = check_layer_norm_args(x, normalized_shape, weight, bias, eps)
     inputs = dict(x=x, normalized_shape=shape, weight=weight, bias=bias, eps=float(eps))
     return backends.select("layer_norm", backend, x.device, inputs).run(**inputs)

@@ -7,6 +7,7 @@ import torch
 from .. import reference
 from ..masks import causal_mask
 from . import backends
+from .autocast import apply_autocast
 from .checks import check_softmax_args
 
 
@@ -47,6 +48,7 @@ def softmax(
     is_causal masks x of shape (..., Tq, Tk) top-left along dim=-1 (Tq != Tk allowed). Rows
     with nothing kept give 0 output and 0 gradient, never NaN.
     """
+    x = apply_autocast("softmax", dict(x=x))["x"]
     dim = check_softmax_args(x, dim, mask, scale, is_causal)
     inputs = dict(x=x, dim=dim, mask=mask, scale=scale, is_causal=is_causal)
     return backends.select("softmax", backend, x.device, inputs).run(**inputs)

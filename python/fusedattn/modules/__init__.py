@@ -1,0 +1,8 @@
+"""Drop-in nn.Modules backed by fusedattn's ops, and swap_modules."""
+
+from .attention import MultiheadAttention
+from .layernorm import LayerNorm
+from .softmax import Softmax
+from .swap import swap_modules
+
+__all__ = ["LayerNorm", "MultiheadAttention", "Softmax", "swap_modules"]

@@ -1,0 +1,62 @@
+"""swap_modules: put fusedattn's modules in place of torch's (and the reference ones)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .attention import MultiheadAttention
+from .layernorm import LayerNorm
+from .softmax import Softmax
+
+
+def _replaced_types():
+    """Exact types replaced: torch's modules and the reference twins (which subclass ours and
+    torch's, so this is looked up at call time). Subclasses that users wrote are left alone:
+    their forward may do more than the base class."""
+    from ..reference import modules as ref
+
+    return {
+        "attention": (nn.MultiheadAttention, ref.MultiheadAttention),
+        "layernorm": (nn.LayerNorm, ref.LayerNorm),
+        "softmax": (nn.Softmax, ref.Softmax),
+    }
+
+
+def _replacement(module, backend, attention, layernorm, softmax):
+    """The fused module to put in `module`'s place, or None to keep it. A module that is
+    already fused only has its backend retargeted."""
+    kind, types = type(module), _replaced_types()
+    wanted = {"attention": attention, "layernorm": layernorm, "softmax": softmax}
+    fused = {"attention": MultiheadAttention, "layernorm": LayerNorm, "softmax": Softmax}
+    for family, cls in fused.items():
+        if not wanted[family]:
+            continue
+        if kind in types[family]:
+            return cls.from_torch(module, backend=backend)
+        if kind is cls:
+            module.backend = backend
+    return None
+
+
+def swap_modules(
+    model: nn.Module, *, backend="auto", attention=True, layernorm=True, softmax=True
+) -> nn.Module:
+    """Replace, in place, every nn.MultiheadAttention, nn.LayerNorm and nn.Softmax (and their
+    reference twins) by fusedattn's, with the same weights, device, dtype and train/eval mode;
+    returns `model` (or the replacement, if `model` itself is one of those modules).
+
+    nn.TransformerEncoder's nested-tensor inference path is turned off (it would hand nested
+    tensors to the attention module); the encoder-layer fast path is kept off by the fused
+    attention module itself, so fusedattn's kernels run inside torch's transformer layers.
+    """
+    root = _replacement(model, backend, attention, layernorm, softmax)
+    if root is not None:
+        return root
+    for parent in model.modules():
+        if isinstance(parent, nn.TransformerEncoder) and attention:
+            parent.use_nested_tensor = False
+        for name, child in list(parent.named_children()):
+            new = _replacement(child, backend, attention, layernorm, softmax)
+            if new is not None:
+                setattr(parent, name, new)
+    return model
