@@ -9,7 +9,8 @@ ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
 export CUDA_HOME ?= /usr/local/cuda
 endif
 
-RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib
+# transformers: for the Hugging Face integration tests (the optional [hf] extra).
+RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib transformers
 LINT_DEPS := ruff clang-format
 CSRC := $(shell find csrc -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h')
 # One stamp per Python environment, so a new venv reinstalls.

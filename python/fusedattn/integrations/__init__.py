@@ -1,0 +1,1 @@
+"""Integrations with other libraries (optional dependencies, imported on demand)."""
