@@ -80,10 +80,11 @@ def run_and_compare(model, make_inputs, *, backend="torch", train=True, expect=(
     return counts
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_encoder_stack_runs_our_kernels(train, batch_first, norm_first):
+def test_encoder_stack_runs_our_kernels(train, batch_first, norm_first, backend):
     layer = encoder_layer(batch_first, norm_first)
     # enable_nested_tensor=True is torch's default: swap_modules must turn that path off.
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=not norm_first)
@@ -99,8 +100,10 @@ def test_encoder_stack_runs_our_kernels(train, batch_first, norm_first):
         return m(x, mask=mask, src_key_padding_mask=kpm)
 
     wrapper = _Call(model, forward)
-    counts = run_and_compare(wrapper, make_inputs, train=train, expect=("attention", "layer_norm"))
-    assert counts[("attention", "torch")] == 2
+    counts = run_and_compare(
+        wrapper, make_inputs, backend=backend, train=train, expect=("attention", "layer_norm")
+    )
+    assert counts[("attention", backend)] == 2
 
 
 class _Call(nn.Module):
@@ -114,9 +117,10 @@ class _Call(nn.Module):
         return self.fn(self.model, *args)
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_nn_transformer_with_padding_and_causal_masks(train, batch_first):
+def test_nn_transformer_with_padding_and_causal_masks(train, batch_first, backend):
     model = nn.Transformer(32, 4, num_encoder_layers=2, num_decoder_layers=2,
                            dim_feedforward=64, dropout=0.0, batch_first=batch_first)  # fmt: skip
     B, S, T = 2, 7, 6
@@ -132,10 +136,10 @@ def test_nn_transformer_with_padding_and_causal_masks(train, batch_first):
         return m(src, tgt, tgt_mask=tgt_mask.to(src.dtype), src_key_padding_mask=src_kpm,
                  memory_key_padding_mask=src_kpm, tgt_is_causal=True)  # fmt: skip
 
-    counts = run_and_compare(_Call(model, forward), make_inputs, train=train,
+    counts = run_and_compare(_Call(model, forward), make_inputs, backend=backend, train=train,
                              expect=("attention", "layer_norm"))  # fmt: skip
     # 2 encoder self-attentions + 2 x (decoder self + cross) attentions
-    assert counts[("attention", "torch")] == 6
+    assert counts[("attention", backend)] == 6
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
@@ -175,7 +179,7 @@ def test_only_softmax_swapped_in_the_naive_attention():
     torch.testing.assert_close(out, model(src, tgt))
 
 
-@pytest.mark.parametrize("device_type,dtype", [("cpu", torch.bfloat16)])
+@pytest.mark.parametrize("device_type,dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16)])
 def test_autocast_gives_what_the_torch_modules_give(device_type, dtype):
     torch.manual_seed(0)
     model = nn.TransformerEncoder(encoder_layer(True), 2, enable_nested_tensor=False).train()
@@ -205,17 +209,42 @@ def test_cuda_autocast_policies(dtype):
         assert fusedattn.attention(q, q, q).dtype == dtype
 
 
-def test_torch_compile_fullgraph_of_a_swapped_model():
+@pytest.mark.parametrize(
+    "compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
+def test_torch_compile_fullgraph_of_a_swapped_model(compiler):
     torch._dynamo.reset()
     model = nn.TransformerEncoder(encoder_layer(True), 2, enable_nested_tensor=False).eval()
     swapped = fusedattn.swap_modules(copy.deepcopy(model), backend="torch")
-    compiled = torch.compile(swapped, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(swapped, fullgraph=True, backend=compiler)
     x = torch.randn(2, 9, 32)
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[1, 7:] = True
     torch.testing.assert_close(compiled(x, src_key_padding_mask=kpm),
                                swapped(x, src_key_padding_mask=kpm))  # fmt: skip
     swapped.train()
-    compiled = torch.compile(swapped, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(swapped, fullgraph=True, backend=compiler)
     compiled(x).sum().backward()
     assert all(p.grad is not None for p in swapped.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swapped_nn_transformer_on_cuda_in_half_precision(dtype):
+    torch.manual_seed(0)
+    model = nn.Transformer(256, 8, num_encoder_layers=2, num_decoder_layers=2,
+                           dim_feedforward=512, dropout=0.0, batch_first=True).cuda()  # fmt: skip
+    truth = copy.deepcopy(model).double()
+    base = copy.deepcopy(model).to(dtype)
+    swapped = fusedattn.swap_modules(copy.deepcopy(model).to(dtype))
+    src, tgt = torch.randn(4, 300, 256, device="cuda"), torch.randn(4, 200, 256, device="cuda")
+    kpm = torch.zeros(4, 300, dtype=torch.bool, device="cuda")
+    kpm[1, 250:] = True
+    mask = nn.Transformer.generate_square_subsequent_mask(200, device="cuda")
+    kw = dict(src_key_padding_mask=kpm, memory_key_padding_mask=kpm, tgt_is_causal=True)
+    with count_dispatches() as counts:
+        out = swapped(src.to(dtype), tgt.to(dtype), tgt_mask=mask.to(dtype), **kw)
+    assert sum(n for (op, _), n in counts.items() if op == "attention") == 6
+    want = truth(src.double(), tgt.double(), tgt_mask=mask.double(), **kw)
+    assert_close_kx(out, want, base(src.to(dtype), tgt.to(dtype), tgt_mask=mask.to(dtype), **kw),
+                    k=MODEL_K)  # fmt: skip
