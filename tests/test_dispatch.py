@@ -150,3 +150,17 @@ def test_info_cli_reports_versions_extension_and_backends():
     ).stdout
     assert line.startswith("fusedattn._C: ") and line.count("\n") == 1
     assert "reference" in data["available_backends"]
+
+
+def test_dispatch_traces_without_graph_breaks_on_the_gpu_order():
+    """torch.compile(fullgraph=True) must trace the whole auto order a GPU takes (cuda, triton,
+    torch), not only the CPU one: select is run for a CUDA device on CPU tensors here."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 4, 8)
+
+    def f(q):
+        inputs = attention_inputs(q, q, q)
+        return backends.select("attention", "auto", torch.device("cuda"), inputs).run(**inputs)
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q), f(q))

@@ -32,9 +32,8 @@ def _cuda_version_str(v: int) -> str:
 
 def extension_info() -> dict:
     """fusedattn._C's build facts, or why it is unavailable."""
-    error = backends._extension_import_error()
-    if error:
-        return {"built": False, "reason": error}
+    if backends.EXTENSION_ERROR:
+        return {"built": False, "reason": backends.EXTENSION_ERROR}
     from . import _C
 
     raw = _C.build_info()

@@ -13,7 +13,6 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -59,13 +58,18 @@ def no_refusals(**_inputs) -> list[str]:
 # ---- process- and device-level reasons, shared by every op of a backend -------------------
 
 
-@cache
-def _extension_import_error() -> str | None:
+def _probe_extension() -> str | None:
     try:
         importlib.import_module("fusedattn._C")
     except ImportError as exc:
         return f"fusedattn._C is not built or does not load ({exc})"
     return None
+
+
+# Probed once at import (neither touches CUDA nor imports triton), so dispatch stays plain
+# attribute reads that torch.compile traces without graph breaks.
+EXTENSION_ERROR = _probe_extension()
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def triton_interpreter_enabled() -> bool:
@@ -76,7 +80,7 @@ def device_refusals(backend: str, device: torch.device) -> list[str]:
     """Why `backend` cannot run anything on `device` in this process ([] = it can)."""
     reasons = []
     if backend == "triton":
-        if importlib.util.find_spec("triton") is None:
+        if not TRITON_INSTALLED:
             reasons.append("triton is not installed")
         if device.type == "cpu" and not triton_interpreter_enabled():
             reasons.append(
@@ -86,9 +90,8 @@ def device_refusals(backend: str, device: torch.device) -> list[str]:
         elif device.type not in ("cpu", "cuda"):
             reasons.append(f"tensors are on {device.type}; Triton kernels need CUDA")
     elif backend == "cuda":
-        error = _extension_import_error()
-        if error:
-            reasons.append(error)
+        if EXTENSION_ERROR:
+            reasons.append(EXTENSION_ERROR)
         if device.type != "cuda":
             reasons.append(f"tensors are on {device.type}; the cuda backend needs CUDA tensors")
     return reasons

@@ -1,4 +1,5 @@
-"""Naive nn.Modules built on the reference ops, with torch's parameter names and state_dicts.
+"""Naive nn.Modules: the fused modules pinned to the reference backend (the attention module
+also does the attention step itself, naively), with torch's parameter names and state_dicts.
 
 The reference transformer is made of these, so `fusedattn.swap_modules` can replace each with
 its fused twin and one set of weights runs either way.
@@ -6,38 +7,27 @@ its fused twin and one set of weights runs either way.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..modules.attention import MultiheadAttention as FusedMultiheadAttention
+from ..modules.layernorm import LayerNorm as FusedLayerNorm
+from ..modules.softmax import Softmax as FusedSoftmax
 from .attention import attention_scores, expand_kv_heads
-from .layernorm import layer_norm
-from .softmax import softmax
 
 
-class Softmax(nn.Softmax):
-    """nn.Softmax computed by `fusedattn.reference.softmax` (fully masked rows give 0)."""
+class Softmax(FusedSoftmax):
+    """nn.Softmax computed by the naive `fusedattn.reference.softmax`."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dim = self.dim
-        if dim is None:  # nn.Softmax's legacy implicit dim, with its warning
-            warnings.warn(
-                "Implicit dimension choice for softmax has been deprecated. "
-                "Change the call to include dim=X as an argument.",
-                stacklevel=2,
-            )
-            dim = 0 if x.dim() in (0, 1, 3) else 1
-        return softmax(x, dim)
+    def __init__(self, dim=None):
+        super().__init__(dim, backend="reference")
 
 
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm computed by `fusedattn.reference.layer_norm`."""
+class LayerNorm(FusedLayerNorm):
+    """nn.LayerNorm computed by the naive `fusedattn.reference.layer_norm`."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs, backend="reference")
 
 
 class MultiheadAttention(FusedMultiheadAttention):
