@@ -260,6 +260,8 @@ def kernel_backends(op: str, device: torch.device) -> list[str]:
     from fusedattn.ops import backends
 
     report = backends.backend_report(device)[op]
+    if device.type == "cpu" and not report["triton"]:
+        report["triton"] = ["on the CPU Triton runs in its interpreter: tested, not timed"]
     for b in KERNEL_BACKENDS:
         if report[b]:
             print(f"  {op}: fusedattn-{b} not measured: {'; '.join(report[b])}")

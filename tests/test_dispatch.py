@@ -101,18 +101,22 @@ def test_torch_backend_refuses_return_lse_with_its_reason():
 
 
 def test_no_backend_at_all_lists_each_candidate(monkeypatch):
-    monkeypatch.setattr(backends, "AUTO_ORDER", {"cpu": ("triton", "cuda")})
+    monkeypatch.setattr(backends, "AUTO_ORDER", {"cpu": {"softmax": ("triton", "cuda")}})
     with pytest.raises(ValueError, match="no backend can run softmax") as info:
-        fusedattn.softmax(torch.randn(2, 3))
+        fusedattn.softmax(torch.randn(2, 3, dtype=torch.float64))
     assert "triton:" in str(info.value) and "cuda:" in str(info.value)
 
 
-def test_available_backends_on_cpu():
-    assert fusedattn.available_backends("cpu") == ["reference", "torch"]
+def test_available_backends_on_cpu(monkeypatch):
+    # conftest sets TRITON_INTERPRET=1 on a CPU machine: the Triton kernels run there.
+    assert fusedattn.available_backends("cpu") == ["reference", "torch", "triton"]
     report = backends.backend_report("cpu")
     assert set(report) == {"attention", "layer_norm", "softmax"}
     assert report["attention"]["reference"] == [] and report["attention"]["torch"] == []
-    assert report["softmax"]["triton"] and report["softmax"]["cuda"]
+    assert report["softmax"]["triton"] == [] and report["layer_norm"]["triton"] == []
+    assert report["attention"]["triton"] and report["softmax"]["cuda"]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert fusedattn.available_backends("cpu") == ["reference", "torch"]
 
 
 def _run(code):

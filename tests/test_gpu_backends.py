@@ -78,7 +78,7 @@ def test_auto_on_cuda_picks_the_first_usable_backend():
     inputs = attention_inputs(q, q, q)
     usable = [
         b
-        for b in backends.AUTO_ORDER["cuda"]
+        for b in backends.AUTO_ORDER["cuda"]["attention"]
         if not backends.refusals("attention", b, q.device, inputs)
     ]
     assert backends.select("attention", "auto", q.device, inputs).backend == usable[0]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .. import reference
-from . import backends
+from . import backends, triton_rowwise
 from .autocast import apply_autocast
 from .checks import check_layer_norm_args
 
@@ -19,8 +21,18 @@ def _reference_layer_norm(x, normalized_shape, weight, bias, eps):
     return reference.layer_norm(x, normalized_shape, weight, bias, eps)
 
 
+def _triton_layer_norm(x, normalized_shape, weight, bias, eps):
+    n = math.prod(normalized_shape)
+    return torch.ops.fusedattn.layer_norm_fwd(x, n, weight, bias, eps)[0]
+
+
+def _triton_refusals(*, x, weight, bias, **_inputs) -> list[str]:
+    return triton_rowwise.dtype_refusals(x, weight, bias)
+
+
 backends.register("layer_norm", "reference", _reference_layer_norm, backends.no_refusals)
 backends.register("layer_norm", "torch", _torch_layer_norm, backends.no_refusals)
+backends.register("layer_norm", "triton", _triton_layer_norm, _triton_refusals)
 
 
 def layer_norm(

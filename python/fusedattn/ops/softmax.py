@@ -6,7 +6,7 @@ import torch
 
 from .. import reference
 from ..masks import causal_mask
-from . import backends
+from . import backends, triton_rowwise
 from .autocast import apply_autocast
 from .checks import check_softmax_args
 
@@ -30,8 +30,21 @@ def _reference_softmax(x, dim, mask, scale, is_causal):
     return reference.softmax(x, dim, mask=mask, scale=scale, is_causal=is_causal)
 
 
+def _triton_softmax(x, dim, mask, scale, is_causal):
+    scale = 1.0 if scale is None else float(scale)
+    return torch.ops.fusedattn.softmax_fwd(x, dim, mask, scale, is_causal)
+
+
+def _triton_refusals(*, x, mask, **_inputs) -> list[str]:
+    reasons = triton_rowwise.dtype_refusals(x)
+    if mask is not None and mask.requires_grad:
+        reasons.append("the Triton softmax has no gradient for a float mask that requires grad")
+    return reasons
+
+
 backends.register("softmax", "reference", _reference_softmax, backends.no_refusals)
 backends.register("softmax", "torch", _torch_softmax, backends.no_refusals)
+backends.register("softmax", "triton", _triton_softmax, _triton_refusals)
 
 
 def softmax(

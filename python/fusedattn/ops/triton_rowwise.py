@@ -1,0 +1,246 @@
+"""Triton launchers for the row-wise ops (LayerNorm, softmax), registered as torch.library
+custom ops with fake implementations and autograd, so torch.compile(fullgraph=True) sees one
+opaque op per launch. (Signatures say Optional[...]: torch.library infers the op schema from
+them, and typing.Optional is the spelling every supported torch version reads.)
+
+The kernel modules import triton, so they are imported on the first launch: `import
+fusedattn` never imports triton.
+"""
+
+import functools
+import importlib
+from typing import Optional
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernels(name: str):
+    """fusedattn.triton_kernels.<name>, imported on first use."""
+    return importlib.import_module(f"fusedattn.triton_kernels.{name}")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def program_budget(device: torch.device) -> int:
+    """Streaming multiprocessors to size grids by (the interpreter on CPU: a few)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+def dtype_refusals(*tensors: torch.Tensor | None) -> list[str]:
+    bad = sorted({str(t.dtype) for t in tensors if t is not None and t.dtype not in KERNEL_DTYPES})
+    if bad:
+        return [f"the Triton kernels take float16, bfloat16 and float32, got {', '.join(bad)}"]
+    return []
+
+
+# ---- LayerNorm ------------------------------------------------------------------------------
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x as (M, n) rows with a unit column stride: a view when the layout allows."""
+    rows = x.reshape(-1, n)
+    return rows if rows.stride(-1) == 1 or rows.shape[0] == 0 else rows.contiguous()
+
+
+@torch.library.custom_op("fusedattn::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor,
+    n: int,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (y shaped like x, mean (M,) fp32, rstd (M,) fp32) over the trailing n elements."""
+    K = kernels("layernorm")
+    rows = _rows(x, n)
+    M = rows.shape[0]
+    y = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M:
+        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
+        kernel = K.layer_norm_fwd_one_pass if cfg.one_pass else K.layer_norm_fwd_looped
+        kernel[(M,)](
+            rows, y, weight, bias, mean, rstd, rows.stride(0), y.stride(0), n, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return y.view(x.shape), mean, rstd
+
+
+@layer_norm_fwd.register_fake
+def _(x, n, weight, bias, eps):
+    M = x.numel() // n
+    stats = x.new_empty(M, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
+
+
+@torch.library.custom_op("fusedattn::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    n: int,
+    param_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx, dweight_sum, dbias_sum): fp32 (n,) parameter gradients (empty without
+    param_grads), reduced from per-program partials in a fixed order (deterministic)."""
+    K = kernels("layernorm")
+    rows, drows = _rows(x, n), _rows(dy, n)
+    M = rows.shape[0]
+    dx = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    programs = K.backward_programs(M, program_budget(x.device))
+    per_program = -(-M // programs) if M else 1
+    shape = (programs, n) if param_grads else (0,)
+    alloc = torch.empty if M else torch.zeros  # no rows: the parameter gradients are 0
+    dw_partial = alloc(shape, dtype=torch.float32, device=x.device)
+    db_partial = alloc(shape, dtype=torch.float32, device=x.device)
+    if M:
+        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
+        if cfg.one_pass:
+            K.layer_norm_bwd_one_pass[(programs,)](
+                rows, drows, dx, weight, mean, rstd, dw_partial, db_partial,
+                rows.stride(0), drows.stride(0), dx.stride(0), M, n, per_program,
+                HAS_WEIGHT=weight is not None, PARAM_GRADS=param_grads, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+            )  # fmt: skip
+        else:
+            K.layer_norm_bwd_dx_looped[(M,)](
+                rows, drows, dx, weight, mean, rstd,
+                rows.stride(0), drows.stride(0), dx.stride(0), n,
+                HAS_WEIGHT=weight is not None, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            )  # fmt: skip
+            if param_grads:
+                K.layer_norm_bwd_params_looped[(programs, -(-n // cfg.block_n))](
+                    rows, drows, mean, rstd, dw_partial, db_partial,
+                    rows.stride(0), drows.stride(0), M, n, per_program,
+                    BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                )  # fmt: skip
+    if param_grads:
+        return dx.view(x.shape), dw_partial.sum(0), db_partial.sum(0)
+    return dx.view(x.shape), dw_partial, db_partial
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, n, param_grads):
+    grads = x.new_empty(n if param_grads else 0, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), grads, grads.clone()
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, n, weight, bias, _eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.n, ctx.has_bias = n, bias is not None
+    ctx.param_shape = next((p.shape for p in (weight, bias) if p is not None), None)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[2]
+    need_b = ctx.has_bias and ctx.needs_input_grad[3]
+    dx, dw, db = torch.ops.fusedattn.layer_norm_bwd(
+        dy, x, weight, mean, rstd, ctx.n, need_w or need_b
+    )
+    shape = ctx.param_shape
+    return (
+        dx,
+        None,
+        dw.view(shape).to(weight.dtype) if need_w else None,
+        db.view(shape).to(dy.dtype if weight is None else weight.dtype) if need_b else None,
+        None,
+    )
+
+
+layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+# ---- softmax --------------------------------------------------------------------------------
+
+
+def as_4d(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t with `dim` moved last, seen as (A, B, C, N): leading 1s added, or the first dims
+    merged (a copy only where they cannot merge) when t has more than 4 dims."""
+    t = t.movedim(dim, -1)
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t.flatten(0, t.dim() - 4) if t.dim() > 4 else t
+
+
+def empty_softmax_like(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Output buffer: contiguous with `dim` last, returned in x's dim order (a view)."""
+    return torch.empty(x.movedim(dim, -1).shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+
+
+def _strides(t4: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(t4.stride())
+
+
+@torch.library.custom_op("fusedattn::softmax_fwd", mutates_args=())
+def softmax_fwd(
+    x: torch.Tensor, dim: int, mask: Optional[torch.Tensor], scale: float, is_causal: bool
+) -> torch.Tensor:
+    K = kernels("softmax")
+    y = empty_softmax_like(x, dim)
+    x4, y4 = as_4d(x, dim), as_4d(y, dim)
+    A, B, C, N = x4.shape
+    m4 = as_4d(mask.expand(x.shape), dim) if mask is not None else None
+    if x.numel():
+        cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
+        kernel = K.softmax_fwd_one_pass if cfg.one_pass else K.softmax_fwd_looped
+        kernel[(A * B * C,)](
+            x4, y4, m4, *_strides(x4), *_strides(y4), *(_strides(m4) if m4 is not None else (0,) * 4),
+            B, C, N, scale,
+            HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+            IS_CAUSAL=is_causal, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return y
+
+
+@softmax_fwd.register_fake
+def _(x, dim, mask, scale, is_causal):
+    return empty_softmax_like(x, dim)
+
+
+@torch.library.custom_op("fusedattn::softmax_bwd", mutates_args=())
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
+    """dx = scale * y * (dy - sum(dy * y)) along dim; dy is read, never written."""
+    K = kernels("softmax")
+    dx = empty_softmax_like(y, dim)
+    y4, dy4, dx4 = as_4d(y, dim), as_4d(dy, dim), as_4d(dx, dim)
+    A, B, C, N = y4.shape
+    if y.numel():
+        cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
+        kernel = K.softmax_bwd_one_pass if cfg.one_pass else K.softmax_bwd_looped
+        kernel[(A * B * C,)](
+            y4, dy4, dx4, *_strides(y4), *_strides(dy4), *_strides(dx4), B, C, N, scale,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return dx
+
+
+@softmax_bwd.register_fake
+def _(y, dy, dim, scale):
+    return empty_softmax_like(y, dim)
+
+
+def _softmax_setup(ctx, inputs, output):
+    _x, dim, _mask, scale, _causal = inputs
+    ctx.save_for_backward(output)
+    ctx.dim, ctx.scale = dim, scale
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.fusedattn.softmax_bwd(y, dy, ctx.dim, ctx.scale), None, None, None, None
+
+
+softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)

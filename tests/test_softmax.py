@@ -1,0 +1,130 @@
+"""Triton softmax (interpreter on CPU, compiled on GPU) against float64 with the k× rule: any
+dim, scale, broadcast bool/float masks, causal with Tq != Tk, fully masked rows, one-pass and
+looped paths, layouts; the backward never writes its incoming gradient."""
+
+from functools import partial
+
+import pytest
+import torch
+from kx_check import assert_op_kx
+from launch_probe import probe_kernels
+
+import fusedattn
+from fusedattn import reference
+
+K = pytest.importorskip("fusedattn.triton_kernels.softmax")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+triton_softmax = partial(fusedattn.softmax, backend="triton")
+
+
+def check(x, **kwargs):
+    assert_op_kx(triton_softmax, reference.softmax, dict(x=x), kwargs=kwargs, grad_of=("x",))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1, 7, 127, 1000, 4097])
+def test_last_dim_kx_one_pass(N, dtype, monkeypatch):
+    probes = probe_kernels(monkeypatch, K, "softmax_fwd_one_pass", "softmax_bwd_one_pass")
+    check((torch.randn(2, 3, N) * 4).to(dtype), dim=-1)
+    assert probes["softmax_fwd_one_pass"].grids == [(6,)]
+    assert probes["softmax_bwd_one_pass"].grids == [(6,)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N", [1000, 4097])
+def test_looped_path_kx(N, dtype, monkeypatch):
+    monkeypatch.setattr(K, "MAX_ONE_PASS_N", 256)
+    probes = probe_kernels(monkeypatch, K, "softmax_fwd_looped", "softmax_bwd_looped")
+    keep = torch.rand(1, N) > 0.2
+    check((torch.randn(4, N) * 4).to(dtype), dim=-1, mask=keep, scale=0.7)
+    check(torch.randn(3, 5, N).to(dtype), dim=-1, is_causal=True)
+    assert len(probes["softmax_fwd_looped"].grids) == 2
+    assert len(probes["softmax_bwd_looped"].grids) == 2
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_any_dim_without_a_copy_of_the_input(dim):
+    check(torch.randn(5, 6, 7) * 3, dim=dim)
+
+
+@pytest.mark.parametrize(
+    "mask_shape", [(9,), (7, 9), (3, 1, 9), (2, 3, 7, 9), (2, 1, 1, 9)], ids=str
+)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_broadcast_masks_with_scale(mask_shape, kind):
+    x = torch.randn(2, 3, 7, 9) * 3
+    mask = torch.rand(mask_shape) > 0.3 if kind == "bool" else torch.randn(mask_shape)
+    check(x, dim=-1, mask=mask, scale=0.5)
+
+
+@pytest.mark.parametrize("Tq,Tk", [(5, 5), (3, 11), (11, 3), (1, 7)])
+def test_causal_top_left_with_tq_ne_tk(Tq, Tk):
+    check(torch.randn(2, 2, Tq, Tk), dim=-1, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_give_zero_and_zero_grad(dtype):
+    x = torch.randn(4, 3, 10, dtype=dtype, requires_grad=True)
+    keep = torch.ones(4, 3, 10, dtype=torch.bool)
+    keep[1, 2] = False
+    keep[3] = False
+    y = triton_softmax(x, mask=keep)
+    y.backward(torch.randn_like(y))
+    assert not y.isnan().any() and not x.grad.isnan().any()
+    assert (y[1, 2] == 0).all() and (y[3] == 0).all()
+    assert (x.grad[1, 2] == 0).all() and (x.grad[3] == 0).all()
+    # A row of -inf in the input itself is "nothing kept" too.
+    assert (triton_softmax(torch.full((2, 5), float("-inf"), dtype=dtype)) == 0).all()
+
+
+def test_layouts_transposed_sliced_and_more_than_four_dims():
+    check(torch.randn(6, 8, 5).transpose(0, 2), dim=-1)
+    check(torch.randn(4, 20)[:, 3:17], dim=-1)
+    check(torch.randn(2, 2, 3, 2, 5, 6), dim=-1, mask=torch.rand(3, 1, 5, 6) > 0.3)
+    check(torch.randn(2, 2, 3, 2, 5, 6), dim=2)
+
+
+def test_backward_never_writes_the_incoming_gradient():
+    x = torch.randn(3, 33, requires_grad=True)
+    y = triton_softmax(x)
+    dy = torch.randn_like(y)
+    saved = dy.clone()
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(dy, saved) and dx.data_ptr() != dy.data_ptr()
+    # An expanded (stride-0) incoming gradient, as autograd passes for a sum, works too.
+    (dx,) = torch.autograd.grad(triton_softmax(x).sum(), x)
+    torch.testing.assert_close(dx, torch.zeros_like(dx), atol=1e-6, rtol=0)
+
+
+def test_refusals_name_their_reason():
+    with pytest.raises(ValueError, match=r"got torch\.float64"):
+        triton_softmax(torch.randn(2, 8, dtype=torch.float64))
+    bias = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="no gradient for a float mask"):
+        triton_softmax(torch.randn(2, 8), mask=bias)
+
+
+def test_config_is_a_pure_function_of_the_row_length():
+    assert K.softmax_config(1) == K.SoftmaxConfig(1, 1, True)
+    assert K.softmax_config(4097) == K.SoftmaxConfig(8192, 16, True)
+    assert K.softmax_config(40000) == K.SoftmaxConfig(K.LOOP_BLOCK_N, 8, False)
+    assert K.softmax_config(300, max_one_pass_n=256).one_pass is False
+
+
+def test_torch_compile_fullgraph_sees_one_custom_op():
+    torch._dynamo.reset()
+    x = torch.randn(4, 32, requires_grad=True)
+    keep = torch.rand(4, 32) > 0.5
+    fn = torch.compile(lambda x: triton_softmax(x, mask=keep, scale=0.5), fullgraph=True,
+                       backend="aot_eager")  # fmt: skip
+    torch.testing.assert_close(fn(x), triton_softmax(x, mask=keep, scale=0.5))
+    fn(x).square().sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("N", [512, 4096, 32768, 65536, 100_000])
+def test_gpu_sizes(N, dtype):
+    x = (torch.randn(32, N, device="cuda") * 4).to(dtype)
+    check(x, dim=-1, mask=torch.rand(1, N, device="cuda") > 0.1, scale=0.5)
