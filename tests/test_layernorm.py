@@ -17,6 +17,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_ln = partial(fusedattn.layer_norm, backend="triton")
 
 
+@pytest.fixture(autouse=True)
+def on_device(device):
+    """The CUDA device on a GPU machine (compiled kernels), else the CPU (interpreter)."""
+    with torch.device(device):
+        yield
+
+
 def check(x, weight=None, bias=None, shape=None):
     shape = shape or x.shape[-1:]
     tensors = dict(x=x, weight=weight, bias=bias)

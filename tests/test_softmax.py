@@ -17,6 +17,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_softmax = partial(fusedattn.softmax, backend="triton")
 
 
+@pytest.fixture(autouse=True)
+def on_device(device):
+    """The CUDA device on a GPU machine (compiled kernels), else the CPU (interpreter)."""
+    with torch.device(device):
+        yield
+
+
 def check(x, **kwargs):
     assert_op_kx(triton_softmax, reference.softmax, dict(x=x), kwargs=kwargs, grad_of=("x",))
 
