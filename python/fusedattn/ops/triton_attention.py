@@ -1,0 +1,193 @@
+"""Triton attention launchers as torch.library custom ops (fake impls + autograd), so
+torch.compile(fullgraph=True) sees one opaque op each way. Signatures say Optional[...]:
+torch.library reads typing.Optional on every torch we support.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from .triton_rowwise import KERNEL_DTYPES, kernels
+
+MAX_HEAD_DIM = 256
+
+
+def refusals(*, q, k, v, attn_mask, dropout_p, **_inputs) -> list[str]:
+    """Why the Triton attention cannot take these inputs ([] = it can)."""
+    reasons = []
+    if q.dtype not in KERNEL_DTYPES:
+        reasons.append(f"the Triton attention takes float16, bfloat16 and float32, got {q.dtype}")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
+    if dropout_p > 0.0:
+        reasons.append("dropout is not implemented in the Triton attention kernel yet")
+    return reasons
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _empty_out(q: torch.Tensor, Dv: int) -> torch.Tensor:
+    """(B, Hq, Tq, Dv) view of a (B, Tq, Hq, Dv) buffer: the merge of heads that follows in a
+    module (out.transpose(1, 2).flatten(2)) is then free."""
+    B, H, T, _ = q.shape
+    return torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
+def _dot_flags(q: torch.Tensor) -> dict:
+    """fp32 inputs to fp32 accuracy unless the user allowed TF32 (torch.backends); bf16 dots in
+    fp32 in the CPU interpreter (see _dot in the kernels)."""
+    tf32 = q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
+    return dict(
+        PRECISION="tf32" if tf32 else "ieee",
+        DOT_IN_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
+    )
+
+
+def _mask_args(q, k, attn_mask, key_padding_mask):
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    mask = None if attn_mask is None else attn_mask.expand(B, H, Tq, Tk)  # a view: strides 0
+    kpm = None if key_padding_mask is None else key_padding_mask.contiguous()
+    strides = tuple(mask.stride()) if mask is not None else (0, 0, 0, 0)
+    flags = dict(
+        HAS_MASK=mask is not None,
+        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+        HAS_KPM=kpm is not None,
+    )
+    return mask, kpm, (*strides, kpm.stride(0) if kpm is not None else 0), flags
+
+
+def _config(q, v):
+    K = kernels("attention")
+    return K, K.attention_config(q.shape[-1], v.shape[-1], q.is_cuda)
+
+
+@torch.library.custom_op("fusedattn::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32)."""
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    B, H, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = _empty_out(q, Dv)
+    lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    K, cfg = _config(q, v)
+    mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
+    K.attention_fwd[(B * H, -(-Tq // cfg.block_m))](
+        q, k, v, out, lse, mask, kpm,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask_strides,
+        H, Tq, Tk, D, Dv, H // Hkv, scale,
+        IS_CAUSAL=is_causal, BLOCK_M=cfg.block_m, **_dot_flags(q),
+        BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )  # fmt: skip
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
+    B, H, Tq, _ = q.shape
+    return _empty_out(q, v.shape[-1]), q.new_empty(B, H, Tq, dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+    mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dS): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the scores (the
+    float mask's gradient before its broadcast is summed), empty unless mask_grad."""
+    q, k, v, out, do = (_unit_last_stride(t) for t in (q, k, v, out, do))
+    B, H, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # zeros: causal tiles the dq kernel skips must read 0
+    dmask = torch.zeros((B, H, Tq, Tk) if mask_grad else (0,), dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), dmask
+    K, cfg = _config(q, v)
+    mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
+    delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_DV=cfg.block_dv)
+    K.attention_bwd_delta[(B * H, -(-Tq // cfg.block_m))](
+        out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Tq, Dv, **tiles
+    )
+    common = dict(
+        IS_CAUSAL=is_causal, BLOCK_N=cfg.block_n, **_dot_flags(q),
+        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **tiles, **flags,
+    )  # fmt: skip
+    K.attention_bwd_dkdv[(B * Hkv, -(-Tk // cfg.block_n))](
+        q, k, v, do, lse, delta, dk, dv, mask, kpm,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], *mask_strides,
+        H, Hkv, Tq, Tk, D, Dv, H // Hkv, scale, **common,
+    )  # fmt: skip
+    K.attention_bwd_dq[(B * H, -(-Tq // cfg.block_m))](
+        q, k, v, do, lse, delta, dq, dmask, mask, kpm,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        *mask_strides, H, Tq, Tk, D, Dv, H // Hkv, scale, MASK_GRAD=mask_grad, **common,
+    )  # fmt: skip
+    return dq, dk, dv, dmask
+
+
+@attention_bwd.register_fake
+def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, mask_grad):
+    B, H, Tq, _ = q.shape
+    shape = (B, H, Tq, k.shape[2]) if mask_grad else (0,)
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        q.new_empty(shape, dtype=torch.float32),
+    )
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, attn_mask, key_padding_mask, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask)
+    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
+    dq, dk, dv, dscores = torch.ops.fusedattn.attention_bwd(
+        dout, q, k, v, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale, mask_grad
+    )
+    dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
+    return dq, dk, dv, dmask, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse):
+    """The `triton` backend of fusedattn.attention."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = torch.ops.fusedattn.attention_fwd(
+        q, k, v, attn_mask, key_padding_mask, is_causal, scale
+    )
+    return (out, lse) if return_lse else out

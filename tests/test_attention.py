@@ -1,0 +1,185 @@
+"""Triton attention (interpreter on CPU, compiled on a GPU) against float64 with the k× rule:
+hard shapes, every mask kind, GQA, lse, fully masked rows, float-mask gradients, causal tile
+skipping, determinism, refusals, torch.compile."""
+
+from functools import partial
+
+import pytest
+import torch
+from hard_shapes import AttentionShape, attention_shapes, make_qkv
+from kx_check import assert_op_kx
+
+import fusedattn
+from fusedattn import masks, reference
+
+K = pytest.importorskip("fusedattn.triton_kernels.attention")
+triton_attention = partial(fusedattn.attention, backend="triton")
+ALL = ("q", "k", "v")
+
+
+@pytest.fixture(autouse=True)
+def on_device(device):
+    """The CUDA device on a GPU machine (compiled kernels), else the CPU (interpreter)."""
+    with torch.device(device):
+        yield
+
+
+def check(s: AttentionShape, dtype=torch.float32, layout="transposed", grad_of=ALL, **kwargs):
+    q, k, v = make_qkv(s, dtype, torch.get_default_device(), layout=layout)
+    tensors = dict(q=q, k=k, v=v)
+    if "attn_mask" in kwargs and kwargs["attn_mask"] is not None:
+        tensors["attn_mask"] = kwargs.pop("attn_mask")
+    kwargs.setdefault("enable_gqa", s.Hq != s.Hkv)
+    assert_op_kx(triton_attention, reference.attention, tensors, kwargs=kwargs, grad_of=grad_of)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", attention_shapes(), ids=str)
+def test_hard_shapes_fp32(shape, causal):
+    check(shape, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "shape",
+    [AttentionShape(2, 4, 2, 63, 63, 40, 40), AttentionShape(1, 2, 2, 7, 129, 80, 80),
+     AttentionShape(2, 2, 1, 129, 7, 64, 64)],
+    ids=str,
+)  # fmt: skip
+def test_half_precision(shape, causal, dtype):
+    check(shape, dtype, is_causal=causal)
+
+
+@pytest.mark.parametrize("D,Dv", [(96, 96), (128, 64), (256, 256), (16, 40)])
+def test_head_dims(D, Dv):
+    check(AttentionShape(1, 2, 2, 20, 33, D, Dv), is_causal=True)
+
+
+MASK_SHAPES = [(17, 33), (1, 1, 17, 33), (2, 1, 1, 33), (3, 17, 33), (2, 3, 17, 33), (2, 3, 1, 33)]
+
+
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_broadcast_masks_and_float_mask_gradient(mask_shape, kind):
+    s = AttentionShape(2, 3, 3, 17, 33, 16, 16)
+    if kind == "bool":
+        check(s, attn_mask=torch.rand(mask_shape) > 0.3)
+    else:
+        check(s, attn_mask=torch.randn(mask_shape), grad_of=(*ALL, "attn_mask"))
+
+
+def test_every_mask_at_once_with_gqa_scale_and_a_sliced_layout():
+    s = AttentionShape(2, 4, 2, 30, 45, 24, 24)
+    kpm = masks.padding_mask_from_lengths(torch.tensor([45, 20]), 45)
+    check(s, layout="sliced", attn_mask=torch.randn(1, 4, 30, 45), is_causal=True, scale=0.3,
+          key_padding_mask=kpm, grad_of=(*ALL, "attn_mask"))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fully_masked_rows_zero_output_zero_grads_minus_inf_lse(dtype):
+    s = AttentionShape(2, 2, 2, 20, 24, 16, 16)
+    q, k, v = make_qkv(s, dtype, torch.get_default_device(), requires_grad=True)
+    keep = torch.ones(20, 24, dtype=torch.bool)
+    keep[3] = False  # query 3 sees nothing
+    kpm = torch.zeros(2, 24, dtype=torch.bool)
+    kpm[1] = True  # batch 1: every key is padding
+    out, lse = triton_attention(q, k, v, keep, key_padding_mask=kpm, return_lse=True)
+    out.float().sum().backward()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert not t.isnan().any()
+    assert (out[:, :, 3] == 0).all() and (out[1] == 0).all()
+    assert (q.grad[:, :, 3] == 0).all() and (q.grad[1] == 0).all() and (k.grad[1] == 0).all()
+    assert (lse[:, :, 3] == float("-inf")).all() and (lse[1] == float("-inf")).all()
+    # bottom-right causal with Tq > Tk: the first Tq - Tk queries see nothing
+    br = masks.causal_mask(20, 8, bottom_right=True)
+    out = triton_attention(q, k[:, :, :8], v[:, :, :8], br)
+    assert (out[:, :, :12] == 0).all() and (out[:, :, 12:] != 0).any()
+
+
+def test_lse_matches_the_reference():
+    s = AttentionShape(2, 2, 1, 30, 41, 32, 32)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    _, lse = triton_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+    _, ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True,
+                                 enable_gqa=True, return_lse=True)  # fmt: skip
+    torch.testing.assert_close(lse, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_tiles_right_of_the_diagonal_are_never_read():
+    cfg = K.attention_config(16, 16, torch.get_default_device().type == "cuda")
+    T = 4 * cfg.block_m
+    s = AttentionShape(1, 1, 1, T, T, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    v[:, :, cfg.block_m :] = float("nan")  # keys only later query blocks may see
+    out = triton_attention(q, k, v, is_causal=True)
+    # Had the first query block computed a later key tile, 0 * NaN would poison it.
+    assert torch.isfinite(out[:, :, : cfg.block_m]).all()
+
+
+def test_backward_is_deterministic():
+    s = AttentionShape(2, 4, 2, 33, 47, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device(), requires_grad=True)
+    grads = []
+    for _ in range(2):
+        out = triton_attention(q, k, v, is_causal=True, enable_gqa=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_output_layout_makes_the_head_merge_free():
+    s = AttentionShape(2, 4, 4, 9, 9, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    out = triton_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_refusals_name_their_reasons():
+    s = AttentionShape(1, 2, 2, 4, 4, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    with pytest.raises(ValueError, match="dropout is not implemented"):
+        triton_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        big = torch.randn(1, 2, 4, 264)
+        triton_attention(big, big, big)
+    with pytest.raises(ValueError, match=r"got torch\.float64"):
+        triton_attention(q.double(), k.double(), v.double())
+
+
+def test_config_is_a_pure_function():
+    assert K.attention_config(40, 40, on_gpu=False) == K.AttentionConfig(32, 32, 64, 64, 1, 1)
+    assert K.attention_config(128, 128, on_gpu=True) == K.AttentionConfig(64, 64, 128, 128, 4, 2)
+    assert K.attention_config(256, 256, on_gpu=True).block_n == 32
+    assert K.attention_config(8, 8, on_gpu=True).block_d == 16
+
+
+def test_torch_compile_fullgraph_sees_one_custom_op():
+    torch._dynamo.reset()
+    s = AttentionShape(1, 2, 2, 9, 9, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device(), requires_grad=True)
+    fn = torch.compile(lambda q, k, v: triton_attention(q, k, v, is_causal=True),
+                       fullgraph=True, backend="aot_eager")  # fmt: skip
+    torch.testing.assert_close(fn(q, k, v), triton_attention(q, k, v, is_causal=True))
+    fn(q, k, v).sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "shape",
+    [AttentionShape(2, 16, 16, 1024, 1024, 128, 128), AttentionShape(2, 16, 4, 1000, 1537, 64, 64),
+     AttentionShape(1, 8, 8, 2048, 2048, 256, 256), AttentionShape(4, 8, 2, 513, 513, 80, 80)],
+    ids=str,
+)  # fmt: skip
+def test_gpu_realistic_sizes(shape, causal, dtype):
+    lengths = torch.randint(shape.Tk // 2, shape.Tk + 1, (shape.B,))
+    kpm = masks.padding_mask_from_lengths(lengths, shape.Tk)
+    check(shape, dtype, is_causal=causal, key_padding_mask=kpm)
+
+
+@pytest.mark.gpu
+def test_gpu_more_programs_than_a_grid_y_dimension_holds():
+    check(AttentionShape(1, 70_000, 70_000, 16, 16, 16, 16), torch.bfloat16, grad_of=())
