@@ -1,6 +1,6 @@
 """Triton attention (interpreter on CPU, compiled on a GPU) against float64 with the k× rule:
-hard shapes, every mask kind, GQA, lse, fully masked rows, float-mask gradients, causal tile
-skipping, determinism, refusals, torch.compile."""
+hard shapes, every mask kind, GQA, lse, fully masked rows, float-mask gradients, dropout,
+causal tile skipping, determinism, refusals, torch.compile."""
 
 from functools import partial
 
@@ -138,13 +138,46 @@ def test_output_layout_makes_the_head_merge_free():
 def test_refusals_name_their_reasons():
     s = AttentionShape(1, 2, 2, 4, 4, 16, 16)
     q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
-    with pytest.raises(ValueError, match="dropout is not implemented"):
-        triton_attention(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match="head dims up to 256"):
         big = torch.randn(1, 2, 4, 264)
         triton_attention(big, big, big)
     with pytest.raises(ValueError, match=r"got torch\.float64"):
         triton_attention(q.double(), k.double(), v.double())
+
+
+def dropped_probabilities(q, k, seed, p, **kw):
+    """The kernel's dropped, rescaled probabilities: attention with v = I returns them."""
+    T = k.shape[2]
+    eye = torch.eye(T, dtype=q.dtype).expand(k.shape[0], k.shape[1], T, T).contiguous()
+    torch.manual_seed(seed)
+    return triton_attention(q, k, eye, dropout_p=p, **kw)
+
+
+def test_dropout_is_reproducible_keeps_one_minus_p_and_backward_uses_the_same_mask():
+    s = AttentionShape(2, 2, 2, 40, 40, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device(), requires_grad=True)
+    kw = dict(is_causal=True)
+    first = dropped_probabilities(q, k, 5, 0.3, **kw)
+    assert torch.equal(first, dropped_probabilities(q, k, 5, 0.3, **kw))
+    assert not torch.equal(first, dropped_probabilities(q, k, 6, 0.3, **kw))
+    probs = reference.attention(q.detach(), k.detach(), torch.eye(40).expand(2, 2, 40, 40), **kw)
+    kept = first.detach() != 0
+    share = kept[probs > 0].float().mean().item()
+    assert abs(share - 0.7) < 0.03, share
+    torch.testing.assert_close(first.detach()[kept], probs[kept] / 0.7)
+    # Forward and backward with that mask against float64 math using the same mask.
+    torch.manual_seed(5)
+    out = triton_attention(q, k, v, dropout_p=0.3, **kw)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    p64 = reference.attention(q64, k64, torch.eye(40, dtype=torch.float64).expand(2, 2, 40, 40),
+                              **kw)  # fmt: skip
+    want = (p64 * kept / 0.7) @ v64
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(want, (q64, k64, v64), grad.double())
+    for name, a, b in zip(ALL, got, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_config_is_a_pure_function():

@@ -85,10 +85,10 @@ def test_unknown_backend_name():
 def test_explicit_backend_refusal_lists_every_reason(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(fusedattn.BackendUnavailableError) as info:
-        fusedattn.attention(*small_qkv(), dropout_p=0.1, backend="triton")
+        fusedattn.attention(*(t.double() for t in small_qkv()), backend="triton")
     message = str(info.value)
     assert "TRITON_INTERPRET=1 is not set" in message
-    assert "dropout is not implemented in the Triton attention" in message
+    assert "float16, bfloat16 and float32, got torch.float64" in message
     with pytest.raises(ValueError) as info:
         fusedattn.attention(*small_qkv(), backend="cuda")
     assert "needs CUDA tensors" in str(info.value)

@@ -56,6 +56,16 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _dropout(p, SEED, dropout_p, bh, rows, cols, Tq, Tk):
+    """Keep each probability with chance 1 - dropout_p, scaled by 1 / (1 - dropout_p). The
+    Philox stream is indexed by (batch*head, query, key) with 64-bit offsets, so the backward
+    regenerates exactly the forward's mask from the same seed."""
+    offsets = (bh * Tq + rows[:, None]) * Tk + cols[None, :]
+    keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
+    return tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
+@triton.jit
 def _masked_scores(
     s, rows, cols, b, h, Tq, Tk, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -84,12 +94,13 @@ def _masked_scores(
 
 @triton.jit
 def attention_fwd(
-    Q, K, V, Out, LSE, MASK, KPM,
+    Q, K, V, Out, LSE, MASK, KPM, SEED,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
     sm_b, sm_h, sm_q, sm_k, skp_b,
-    H, Tq, Tk, D, Dv, group, scale,
+    H, Tq, Tk, D, Dv, group, scale, dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
@@ -132,6 +143,8 @@ def attention_fwd(
             mask=(cols < Tk)[:, None] & (dv < Dv)[None, :],
             other=0.0,
         )
+        if DROPOUT:  # the normaliser l_i keeps the undropped mass
+            p = _dropout(p, SEED, dropout_p, bh, rows, cols, Tq, Tk)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -167,13 +180,14 @@ def attention_bwd_delta(
 
 @triton.jit
 def attention_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM, SEED,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
     sm_b, sm_h, sm_q, sm_k, skp_b,
-    H, Hkv, Tq, Tk, D, Dv, group, scale,
+    H, Hkv, Tq, Tk, D, Dv, group, scale, dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """dk, dv of one key block of one kv head, summed over the q heads of its group in a fixed
@@ -211,8 +225,14 @@ def attention_bwd_dkdv(
             # rows that saw no key have lse -inf: make their probabilities exactly 0
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             p = tl.exp2(s - lse2[:, None])
-            dvacc += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, DOT_IN_FP32)
             dp = _dot(do, tl.trans(v), PRECISION, DOT_IN_FP32)
+            p_used = p
+            if DROPOUT:  # the forward's mask again: 0 or 1 / (1 - dropout_p) per entry
+                kept = _dropout(tl.full(p.shape, 1.0, tl.float32), SEED, dropout_p, b * H + h,
+                                rows, cols, Tq, Tk)  # fmt: skip
+                p_used = p * kept
+                dp = dp * kept
+            dvacc += _dot(tl.trans(p_used.to(do.dtype)), do, PRECISION, DOT_IN_FP32)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, DOT_IN_FP32)
     tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None] * sdk_t + d[None, :],
@@ -223,14 +243,14 @@ def attention_bwd_dkdv(
 
 @triton.jit
 def attention_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DMASK, MASK, KPM,
+    Q, K, V, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, SEED,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
     sdq_b, sdq_h, sdq_t,
     sm_b, sm_h, sm_q, sm_k, skp_b,
-    H, Tq, Tk, D, Dv, group, scale,
+    H, Tq, Tk, D, Dv, group, scale, dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """dq of one query block; with MASK_GRAD also dS, the gradient of the float mask, into a
@@ -266,6 +286,10 @@ def attention_bwd_dq(
                            skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM, IS_CAUSAL)  # fmt: skip
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), PRECISION, DOT_IN_FP32)
+        if DROPOUT:
+            kept = _dropout(tl.full(p.shape, 1.0, tl.float32), SEED, dropout_p, bh, rows, cols,
+                            Tq, Tk)  # fmt: skip
+            dp = dp * kept
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PRECISION, DOT_IN_FP32)
         if MASK_GRAD:

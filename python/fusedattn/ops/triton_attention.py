@@ -13,15 +13,13 @@ from .triton_rowwise import KERNEL_DTYPES, kernels
 MAX_HEAD_DIM = 256
 
 
-def refusals(*, q, k, v, attn_mask, dropout_p, **_inputs) -> list[str]:
+def refusals(*, q, k, v, **_inputs) -> list[str]:
     """Why the Triton attention cannot take these inputs ([] = it can)."""
     reasons = []
     if q.dtype not in KERNEL_DTYPES:
         reasons.append(f"the Triton attention takes float16, bfloat16 and float32, got {q.dtype}")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
-    if dropout_p > 0.0:
-        reasons.append("dropout is not implemented in the Triton attention kernel yet")
     return reasons
 
 
@@ -74,8 +72,11 @@ def attention_fwd(
     key_padding_mask: Optional[torch.Tensor],
     is_causal: bool,
     scale: float,
+    dropout_p: float,
+    seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32)."""
+    """-> (out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32). With dropout_p > 0, `seed` (an int64
+    tensor on q's device) seeds the Philox stream the backward regenerates."""
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -86,10 +87,10 @@ def attention_fwd(
     K, cfg = _config(q, v)
     mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
     K.attention_fwd[(B * H, -(-Tq // cfg.block_m))](
-        q, k, v, out, lse, mask, kpm,
+        q, k, v, out, lse, mask, kpm, seed,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask_strides,
-        H, Tq, Tk, D, Dv, H // Hkv, scale,
-        IS_CAUSAL=is_causal, BLOCK_M=cfg.block_m, **_dot_flags(q),
+        H, Tq, Tk, D, Dv, H // Hkv, scale, dropout_p,
+        IS_CAUSAL=is_causal, DROPOUT=dropout_p > 0.0, BLOCK_M=cfg.block_m, **_dot_flags(q),
         BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )  # fmt: skip
@@ -97,7 +98,7 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
+def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
     B, H, Tq, _ = q.shape
     return _empty_out(q, v.shape[-1]), q.new_empty(B, H, Tq, dtype=torch.float32)
 
@@ -114,6 +115,8 @@ def attention_bwd(
     key_padding_mask: Optional[torch.Tensor],
     is_causal: bool,
     scale: float,
+    dropout_p: float,
+    seed: Optional[torch.Tensor],
     mask_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, dS): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the scores (the
@@ -134,25 +137,27 @@ def attention_bwd(
         out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Tq, Dv, **tiles
     )
     common = dict(
-        IS_CAUSAL=is_causal, BLOCK_N=cfg.block_n, **_dot_flags(q),
+        IS_CAUSAL=is_causal, DROPOUT=dropout_p > 0.0, BLOCK_N=cfg.block_n, **_dot_flags(q),
         BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **tiles, **flags,
     )  # fmt: skip
     K.attention_bwd_dkdv[(B * Hkv, -(-Tk // cfg.block_n))](
-        q, k, v, do, lse, delta, dk, dv, mask, kpm,
+        q, k, v, do, lse, delta, dk, dv, mask, kpm, seed,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3], *mask_strides,
-        H, Hkv, Tq, Tk, D, Dv, H // Hkv, scale, **common,
+        H, Hkv, Tq, Tk, D, Dv, H // Hkv, scale, dropout_p, **common,
     )  # fmt: skip
     K.attention_bwd_dq[(B * H, -(-Tq // cfg.block_m))](
-        q, k, v, do, lse, delta, dq, dmask, mask, kpm,
+        q, k, v, do, lse, delta, dq, dmask, mask, kpm, seed,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        *mask_strides, H, Tq, Tk, D, Dv, H // Hkv, scale, MASK_GRAD=mask_grad, **common,
+        *mask_strides, H, Tq, Tk, D, Dv, H // Hkv, scale, dropout_p, MASK_GRAD=mask_grad,
+        **common,
     )  # fmt: skip
     return dq, dk, dv, dmask
 
 
 @attention_bwd.register_fake
-def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, mask_grad):
+def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+      mask_grad):  # fmt: skip
     B, H, Tq, _ = q.shape
     shape = (B, H, Tq, k.shape[2]) if mask_grad else (0,)
     return (
@@ -164,21 +169,22 @@ def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, mask
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, is_causal, scale = inputs
+    q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask)
-    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
+    ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     dq, dk, dv, dscores = torch.ops.fusedattn.attention_bwd(
-        dout, q, k, v, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale, mask_grad
-    )
+        dout, q, k, v, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale,
+        ctx.dropout_p, seed, mask_grad,
+    )  # fmt: skip
     dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
-    return dq, dk, dv, dmask, None, None, None
+    return dq, dk, dv, dmask, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -187,7 +193,10 @@ attention_fwd.register_autograd(_backward, setup_context=_setup)
 def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse):
     """The `triton` backend of fusedattn.attention."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    seed = None
+    if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
     out, lse = torch.ops.fusedattn.attention_fwd(
-        q, k, v, attn_mask, key_padding_mask, is_causal, scale
+        q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed
     )
     return (out, lse) if return_lse else out
