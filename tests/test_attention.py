@@ -12,6 +12,7 @@ from kx_check import assert_op_kx
 import fusedattn
 from fusedattn import masks, reference
 
+pytestmark = pytest.mark.kernels
 K = pytest.importorskip("fusedattn.triton_kernels.attention")
 triton_attention = partial(fusedattn.attention, backend="triton")
 ALL = ("q", "k", "v")

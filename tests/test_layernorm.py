@@ -12,6 +12,7 @@ import fusedattn
 from fusedattn import reference
 from fusedattn.testing import ABS_FLOOR
 
+pytestmark = pytest.mark.kernels
 K = pytest.importorskip("fusedattn.triton_kernels.layernorm")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_ln = partial(fusedattn.layer_norm, backend="triton")

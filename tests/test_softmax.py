@@ -12,6 +12,7 @@ from launch_probe import probe_kernels
 import fusedattn
 from fusedattn import reference
 
+pytestmark = pytest.mark.kernels
 K = pytest.importorskip("fusedattn.triton_kernels.softmax")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_softmax = partial(fusedattn.softmax, backend="triton")
