@@ -11,6 +11,7 @@ from kx_check import assert_op_kx
 
 import fusedattn
 from fusedattn import masks, reference
+from fusedattn.testing import assert_close_kx
 
 pytestmark = pytest.mark.kernels
 K = pytest.importorskip("fusedattn.triton_kernels.attention")
@@ -217,3 +218,17 @@ def test_gpu_realistic_sizes(shape, causal, dtype):
 @pytest.mark.gpu
 def test_gpu_more_programs_than_a_grid_y_dimension_holds():
     check(AttentionShape(1, 70_000, 70_000, 16, 16, 16, 16), torch.bfloat16, grad_of=())
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_past_2_to_the_31_elements():
+    """q and out hold 2^31 + 1024 elements: every offset must be 64-bit."""
+    Tq, D = 2**25 + 16, 64
+    q = torch.randn(1, 1, Tq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 32, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 1, 32, D, device="cuda", dtype=torch.bfloat16)
+    out = triton_attention(q, k, v)
+    for rows in (slice(0, 64), slice(Tq - 64, Tq)):
+        qs = q[:, :, rows]
+        want = reference.attention(qs.double(), k.double(), v.double())
+        assert_close_kx(out[:, :, rows], want, reference.attention(qs, k, v))
