@@ -1,11 +1,15 @@
 """The benchmark suite (`make bench`): every kernel family on the available device.
 
     python benchmarks/run_all.py [--quick] [--out DIR] [--only attention,layernorm,softmax]
-                                 [--device cpu|cuda]
+                                 [--device cpu|cuda] [--compare OLD] [--tolerance 0.05]
 
-Writes one CSV per family (harness.COLUMNS) into DIR (default benchmarks/results/<device>/)
-and prints a progress line per case and a summary at the end. On a CPU it runs the reduced
-suite and says so: speed on the CPU is not the product, the GPU sizes need a CUDA device.
+Writes one CSV and one PNG per family (harness.COLUMNS) into DIR (default
+benchmarks/results/<device>/), prints a progress line per case and a summary at the end.
+Exit status: 1 if a measurement fails the k× correctness check, 2 if --compare finds a
+regression (slower than OLD beyond the tolerance, or newly incorrect).
+
+On a CPU it runs the reduced suite and says so: speed on the CPU is not the product, the GPU
+sizes need a CUDA device.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import bench_attention
 import bench_layernorm
 import bench_softmax
 import harness
+import report
 import torch
 
 FAMILIES = {
@@ -30,31 +35,16 @@ FAMILIES = {
 }
 
 
-def summarize(rows: list[dict]) -> list[str]:
-    """Best impl per (op, mode) and how it compares with the naive path, one line each."""
-    lines = []
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["mode"], r["impl"]), []).append(r)
-    for (op, mode, impl), rs in sorted(groups.items()):
-        unit, key = ("TFLOP/s", "tflops") if rs[0]["tflops"] != "" else ("GB/s", "gbps")
-        best = max(float(r[key]) for r in rs)
-        speedups = [float(r["speedup_vs_naive"]) for r in rs if r["speedup_vs_naive"] != ""]
-        failed = sum(1 for r in rs if r["pass"].startswith("no"))
-        lines.append(
-            f"  {op:<10} {mode:<7} {impl:<16} best {best:9.3f} {unit:<7}"
-            f" median speedup vs naive {sorted(speedups)[len(speedups) // 2] if speedups else 0:6.2f}x"
-            f"  {len(rs)} cases" + (f", {failed} FAILED the k× check" if failed else "")
-        )
-    return lines
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU-friendly)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the CSVs")
     parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    parser.add_argument("--compare", type=Path, help="older CSV or folder: report regressions")
+    parser.add_argument("--tolerance", type=float, default=report.DEFAULT_TOLERANCE,
+                        help="relative slowdown counted as a regression")  # fmt: skip
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -83,13 +73,22 @@ def main(argv=None) -> int:
         rows = run(quick, device, env)
         path = harness.write_csv(rows, out / csv_name)
         print(f"== {name}: {len(rows)} rows in {time.perf_counter() - start:.0f}s -> {path}")
+        if not args.no_plots and rows:
+            print(f"   plot -> {report.plot(rows, path.with_suffix('.png'))}")
         all_rows += rows
         failed += sum(1 for r in rows if r["pass"].startswith("no"))
     print("\nSummary")
-    print("\n".join(summarize(all_rows)))
+    print("\n".join(report.summarize(all_rows)))
     if failed:
         print(f"\n{failed} measurements FAILED the k× correctness check (see the pass column)")
         return 1
+    if args.compare:
+        regressions = report.compare(all_rows, report.load(args.compare), tolerance=args.tolerance)
+        print(f"\n{len(regressions)} regressions against {args.compare}")
+        for r in regressions:
+            print(f"  {r}")
+        if regressions:
+            return 2
     return 0
 
 

@@ -111,3 +111,40 @@ def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys
         assert any(r["speedup_vs_naive"] not in ("", "1.0") for r in rows)
     assert "reduced CPU suite" in text
     assert "fusedattn-cuda not measured" in text
+
+
+def _rows(**changes):
+    env = {"device": "cpu"}
+    base = dict(op="softmax", mode="fwd", impl="torch", dtype="float32", M=8, N=16, ms=1.0)
+    return [harness.make_row(env, **{**base, "pass": "yes"} | changes)]
+
+
+def test_compare_flags_slowdowns_beyond_the_tolerance_and_new_failures():
+    import report
+
+    old = _rows(ms=1.0)
+    assert report.compare(_rows(ms=1.04), old) == []  # within 5%: noise
+    slower = report.compare(_rows(ms=1.5), old)
+    assert [r.what for r in slower] == ["slower"] and "1.50x" in str(slower[0])
+    assert report.compare(_rows(ms=1.5), old, tolerance=0.6) == []
+    broken = report.compare(_rows(**{"pass": "no: worst element"}), old)
+    assert [r.what for r in broken] == ["incorrect"]
+    assert report.compare(_rows(N=32, ms=9.0), old) == []  # a case only one run has
+
+
+def test_run_all_gate_exits_2_on_a_regression_and_plots(tmp_path, capsys):
+    import report
+    import run_all
+
+    assert run_all.main(["--device", "cpu", "--only", "softmax", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "softmax.png").stat().st_size > 0
+    rows = report.load(tmp_path)
+    # The same run against itself is no regression; against a run 10x faster it is.
+    assert report.compare(rows, rows) == []
+    fast = [dict(r, ms=str(float(r["ms"]) / 10)) for r in rows]
+    harness.write_csv(fast, tmp_path / "old" / "softmax.csv")
+    code = run_all.main(["--device", "cpu", "--only", "softmax", "--out", str(tmp_path / "new"),
+                         "--compare", str(tmp_path / "old"), "--no-plots"])  # fmt: skip
+    assert code == 2
+    assert "regressions against" in capsys.readouterr().out
+    assert report.main([str(tmp_path / "new"), "--compare", str(tmp_path / "old")]) == 2
