@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
+from fusedattn.reference import tasks
 from fusedattn.reference.transformer import Transformer, TransformerConfig
 
-PAD, BOS, EOS, FIRST_DIGIT, VOCAB = 0, 1, 2, 3, 13
+PAD, EOS, VOCAB = tasks.PAD, tasks.EOS, tasks.VOCAB
 
 
 def small_config(**overrides):
@@ -88,65 +89,24 @@ def test_beam_of_one_is_greedy_and_decoding_stops_at_eos():
     assert lm.beam_search(prompt, 4, beam_size=3).shape[0] == 2
 
 
-def reversal_batch(n, max_len=8, generator=None):
-    """src = digits (padded), tgt = [bos, reversed digits, eos] (padded)."""
-    src = torch.full((n, max_len), PAD)
-    tgt = torch.full((n, max_len + 2), PAD)
-    lengths = torch.randint(1, max_len + 1, (n,), generator=generator)
-    for i, length in enumerate(lengths.tolist()):
-        digits = torch.randint(FIRST_DIGIT, VOCAB, (length,), generator=generator)
-        src[i, :length] = digits
-        tgt[i, 0], tgt[i, 1 : length + 1], tgt[i, length + 1] = BOS, digits.flip(0), EOS
-    return src, tgt
-
-
-def exact_match(generated, tgt):
-    """Share of rows whose generated tokens up to and including eos equal tgt[1:]."""
-    hits = 0
-    for row, target in zip(generated.tolist(), tgt.tolist(), strict=True):
-        answer = [t for t in target[1:] if t != PAD]
-        hits += row[: len(answer)] == answer
-    return hits / len(tgt)
-
-
 def test_seq2seq_learns_to_reverse_digits_on_cpu():
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    steps = 700
     model = Transformer(
         TransformerConfig(
-            vocab_size=VOCAB,
-            d_model=64,
-            n_heads=4,
-            n_encoder_layers=2,
-            n_decoder_layers=2,
-            d_ff=128,
-            dropout=0.0,
-            max_len=32,
+            vocab_size=tasks.VOCAB, d_model=64, n_heads=4, n_encoder_layers=2,
+            n_decoder_layers=2, d_ff=128, dropout=0.0, max_len=32,
         )
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    # 50 warm-up steps, then cosine decay to 0: the loss settles near 1e-3 by step 500.
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
-    )
+    )  # fmt: skip
     start = time.perf_counter()
-    losses = []
-    for _ in range(steps):
-        src, tgt = reversal_batch(64)
-        loss = model.loss(src, tgt)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        losses.append(loss.item())
+    losses = tasks.train_reversal(model, steps=700)
     seconds = time.perf_counter() - start
     final = sum(losses[-20:]) / 20
     assert final < 0.01, f"final loss {final:.4f} (first {losses[0]:.2f}) after {seconds:.0f}s"
     model.eval()
-    src, tgt = reversal_batch(200, generator=torch.Generator().manual_seed(123))
-    greedy = exact_match(model.greedy_decode(src, 10, bos_id=BOS, eos_id=EOS), tgt)
-    beam = exact_match(model.beam_search(src, 10, beam_size=3, bos_id=BOS, eos_id=EOS), tgt)
+    src, tgt = tasks.reversal_batch(200, generator=torch.Generator().manual_seed(123))
+    bos, eos = tasks.BOS, EOS
+    greedy = tasks.exact_match(model.greedy_decode(src, 10, bos_id=bos, eos_id=eos), tgt)
+    beam = tasks.exact_match(model.beam_search(src, 10, beam_size=3, bos_id=bos, eos_id=eos), tgt)
     print(f"reversal: loss {final:.4f}, greedy {greedy:.1%}, beam {beam:.1%}, {seconds:.1f}s")
     assert greedy >= 0.98 and beam >= 0.98
