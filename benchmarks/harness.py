@@ -6,7 +6,9 @@ Every bench_*.py builds rows with `make_row` and writes them with `write_csv`, s
   op, mode, impl, dtype, B, H, Tq, Tk, D, M, N, causal, mask, pass, ms, tflops, gbps,
   peak_mem_mb, speedup_vs_naive, device, torch, triton, cuda, git_sha, date, note
 
-(M is the row count of LayerNorm and softmax, N their row length; mode is fwd, bwd or fwd+bwd.)
+(M is the row count of LayerNorm and softmax, N their row length; mode is fwd, bwd or fwd+bwd,
+or train/infer for the model benchmark, which fills tokens_per_s; the training demo fills step
+and loss.)
 
 Timing: `triton.testing.do_bench` medians on CUDA (it warms up, flushes the L2 between runs and
 sizes the repetitions by time); on CPU a perf_counter median after one warm-up call.
@@ -30,7 +32,7 @@ from fusedattn.testing import compare_kx
 COLUMNS = [
     "op", "mode", "impl", "dtype", "B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask", "pass",
     "ms", "tflops", "gbps", "peak_mem_mb", "speedup_vs_naive", "device", "torch", "triton",
-    "cuda", "git_sha", "date", "note",
+    "cuda", "git_sha", "date", "note", "tokens_per_s", "step", "loss",
 ]  # fmt: skip
 MODES = ("fwd", "bwd", "fwd+bwd")
 REPO = Path(__file__).resolve().parent.parent
@@ -268,13 +270,21 @@ def kernel_backends(op: str, device: torch.device) -> list[str]:
     return [b for b in KERNEL_BACKENDS if not report[b]]
 
 
+SPEED_UNITS = {"tflops": "TFLOP/s", "gbps": "GB/s", "tokens_per_s": "tok/s"}
+
+
+def speed_column(rows: list[dict]) -> str | None:
+    """The speed column these rows fill (tflops, gbps or tokens_per_s), if any."""
+    return next((c for c in SPEED_UNITS if any(r[c] != "" for r in rows)), None)
+
+
 def progress(row: dict) -> None:
     shape = " ".join(
         f"{c}={row[c]}"
         for c in ("B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask")
         if row[c] != ""
     )
-    speed = f"{row['tflops']} TFLOP/s" if row["tflops"] != "" else f"{row['gbps']} GB/s"
+    speed = next((f"{row[c]} {unit}" for c, unit in SPEED_UNITS.items() if row[c] != ""), "-")
     print(
         f"  {row['op']:<10} {row['mode']:<7} {row['impl']:<16} {row['dtype']:<8} {shape:<44} "
         f"{row['ms']:>9} ms  {speed:>14}  pass={row['pass'][:3] or '-'}",

@@ -67,8 +67,11 @@ def summarize(rows: list[dict]) -> list[str]:
     for r in rows:
         groups.setdefault((r["op"], r["mode"], r["impl"]), []).append(r)
     for (op, mode, impl), rs in sorted(groups.items()):
-        unit, key = ("TFLOP/s", "tflops") if rs[0]["tflops"] != "" else ("GB/s", "gbps")
-        best = max(float(r[key]) for r in rs)
+        key = harness.speed_column(rs)
+        if key is None:  # nothing measured (out of memory, or the training demo's curve)
+            continue
+        unit = harness.SPEED_UNITS[key]
+        best = max(float(r[key]) for r in rs if r[key] != "")
         speedups = sorted(float(r["speedup_vs_naive"]) for r in rs if r["speedup_vs_naive"] != "")
         median = speedups[len(speedups) // 2] if speedups else 0.0
         failed = sum(1 for r in rs if r["pass"].startswith("no"))
@@ -93,11 +96,16 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         return None
     if not rows:
         return None
-    attention = rows[0]["op"] == "attention"
-    size, metric = ("Tq", "tflops") if attention else ("N", "gbps")
-    # attention: the training case (fwd+bwd) per head dim / causal / mask; norms: fwd and fwd+bwd
-    modes = ("fwd+bwd",) if attention else ("fwd", "fwd+bwd")
-    rows = [dict(r, causal=str(r["causal"])) for r in rows if r["mode"] in modes]
+    metric = harness.speed_column(rows)
+    if metric is None:
+        return None
+    by_length = metric != "gbps"  # attention and models: against T; norms: against N
+    size = "Tq" if by_length else "N"
+    # attention: the training case (fwd+bwd) per head dim / causal / mask; others: every mode
+    modes = ("fwd+bwd",) if metric == "tflops" else ("fwd", "fwd+bwd", "train", "infer")
+    rows = [
+        dict(r, causal=str(r["causal"])) for r in rows if r["mode"] in modes and r[metric] != ""
+    ]
     panels = sorted({(r["mode"], r["D"], r["causal"], r["mask"]) for r in rows})
     if not panels:
         return None
@@ -114,7 +122,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         ax.set_title(title + (f" mask={mask}" if mask and mask != "none" else ""), fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(size)
-        ax.set_ylabel("TFLOP/s" if attention else "GB/s")
+        ax.set_ylabel(harness.SPEED_UNITS[metric])
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")

@@ -1,6 +1,6 @@
 """The benchmark suite (`make bench`): every kernel family on the available device.
 
-    python benchmarks/run_all.py [--quick] [--out DIR] [--only attention,layernorm,softmax]
+    python benchmarks/run_all.py [--quick] [--out DIR] [--only attention,layernorm,softmax,model,demo]
                                  [--device cpu|cuda] [--compare OLD] [--tolerance 0.05]
 
 Writes one CSV and one PNG per family (harness.COLUMNS) into DIR (default
@@ -22,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_attention
+import bench_demo
 import bench_layernorm
+import bench_model
 import bench_softmax
 import harness
 import report
@@ -32,7 +34,10 @@ FAMILIES = {
     "attention": (bench_attention.run, "attention.csv"),
     "layernorm": (bench_layernorm.run, "layernorm.csv"),
     "softmax": (bench_softmax.run, "softmax.csv"),
+    "model": (bench_model.run, "model.csv"),
+    "demo": (bench_demo.run, "demo.csv"),
 }
+PLOTS = {"demo": bench_demo.plot}  # families with their own plot; the rest use report.plot
 
 
 def main(argv=None) -> int:
@@ -74,7 +79,8 @@ def main(argv=None) -> int:
         path = harness.write_csv(rows, out / csv_name)
         print(f"== {name}: {len(rows)} rows in {time.perf_counter() - start:.0f}s -> {path}")
         if not args.no_plots and rows:
-            print(f"   plot -> {report.plot(rows, path.with_suffix('.png'))}")
+            plotter = PLOTS.get(name, report.plot)
+            print(f"   plot -> {plotter(rows, path.with_suffix('.png'))}")
         all_rows += rows
         failed += sum(1 for r in rows if r["pass"].startswith("no"))
     print("\nSummary")

@@ -100,7 +100,10 @@ def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys
     import run_all
 
     # The CPU path always: on a GPU machine the GPU suite is gpu-check's bench step.
-    assert run_all.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    kernels = "attention,layernorm,softmax"
+    assert (
+        run_all.main(["--quick", "--device", "cpu", "--only", kernels, "--out", str(tmp_path)]) == 0
+    )
     text = capsys.readouterr().out
     assert "Summary" in text
     for name in ("attention", "layernorm", "softmax"):
@@ -148,3 +151,29 @@ def test_run_all_gate_exits_2_on_a_regression_and_plots(tmp_path, capsys):
     assert code == 2
     assert "regressions against" in capsys.readouterr().out
     assert report.main([str(tmp_path / "new"), "--compare", str(tmp_path / "old")]) == 2
+
+
+def test_model_benchmark_rows_on_cpu(tmp_path):
+    import bench_model
+
+    rows = bench_model.run(True, torch.device("cpu"), harness.environment())
+    assert {r["impl"] for r in rows} >= {"naive", "torch"}
+    assert {r["mode"] for r in rows} == {"train", "infer"}
+    assert all(r["pass"] == "yes" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert any(r["speedup_vs_naive"] not in ("", 1.0) for r in rows)
+
+
+def test_training_demo_rows_and_plot(tmp_path):
+    import bench_demo
+
+    rows = bench_demo.train_pair(torch.device("cpu"), harness.environment(), steps=30)
+    impls = {r["impl"] for r in rows}
+    assert "naive" in impls and len(impls) == 2
+    curves = {i: [float(r["loss"]) for r in rows if r["impl"] == i and r["mode"] == "train"]
+              for i in impls}  # fmt: skip
+    # same weights, same batches: the fused curve tracks the naive one
+    naive, fused = curves["naive"], curves[next(i for i in impls if i != "naive")]
+    assert len(naive) == len(fused) == 30 and naive[-1] < naive[0]
+    assert max(abs(a - b) for a, b in zip(naive, fused, strict=True)) < 1e-3
+    assert {r["mode"] for r in rows} == {"train", "greedy", "beam"}
+    assert bench_demo.plot(rows, tmp_path / "demo.png").stat().st_size > 0
