@@ -73,7 +73,40 @@ def sdpa_backends(device):
     return [(name, lambda b=b: sdpa_kernel(b)) for name, b in named.items()]
 
 
-def implementations(device) -> dict:
+def flex_attention_impl():
+    """FlexAttention (compiled) with the case's masks as a block mask built once per case;
+    any failure to build or compile reads as the impl refusing the case."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_masks = {}
+
+    def flex(q, k, v, m, kpm, c):
+        key = (q.shape, k.shape, id(m), id(kpm), c)
+        if key not in block_masks:
+
+            def mask_mod(b, h, qi, ki):
+                keep = ki >= 0
+                if c:
+                    keep = keep & (ki <= qi)
+                if kpm is not None:
+                    keep = keep & ~kpm[b, ki]
+                if m is not None:
+                    keep = keep & m[b, 0, qi, ki]
+                return keep
+
+            block_masks[key] = create_block_mask(
+                mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device
+            )
+        try:
+            return compiled(q, k, v, block_mask=block_masks[key])
+        except Exception as exc:  # a compile failure is a refusal, reported and skipped
+            raise RuntimeError(f"flex_attention failed: {exc}") from exc
+
+    return flex
+
+
+def implementations(device, quick: bool = True) -> dict:
     """{impl name: fn(q, k, v, attn_mask, key_padding_mask, causal) -> out}."""
     impls = {
         "naive": lambda q, k, v, m, kpm, c: reference.attention(
@@ -98,6 +131,8 @@ def implementations(device) -> dict:
                 )
 
         impls[name] = sdpa
+    if device.type == "cuda" and not quick:  # compiles per mask: full runs only
+        impls["flex"] = flex_attention_impl()
     for backend in harness.kernel_backends("attention", device):
         impls[f"fusedattn-{backend}"] = lambda q, k, v, m, kpm, c, b=backend: fusedattn.attention(
             q, k, v, m, is_causal=c, key_padding_mask=kpm, backend=b
@@ -122,7 +157,7 @@ def check_on_slice(fn, inputs, causal):
 
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
-    impls = implementations(device)
+    impls = implementations(device, quick)
     rows = []
     for case in cases(quick, device):
         inputs = make_inputs(case, device)

@@ -25,12 +25,15 @@ def cases(quick: bool, device: torch.device) -> list[tuple[int, int, torch.dtype
     return [(GPU_INPUT_BYTES // (2 * N), N, torch.bfloat16) for N in sizes]
 
 
-def implementations(device) -> dict:
-    """{impl: fn(x, weight, bias) -> y}."""
+def implementations(device, quick: bool = True) -> dict:
+    """{impl: fn(x, weight, bias) -> y}; torch.compile's kernel in full GPU runs."""
     impls = {
         "naive": lambda x, w, b: reference.layer_norm(x, x.shape[-1:], w, b),
         "torch": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
     }
+    if device.type == "cuda" and not quick:
+        compiled = torch.compile(F.layer_norm)
+        impls["torch-compile"] = lambda x, w, b: compiled(x, x.shape[-1:], w, b)
     for backend in harness.kernel_backends("layer_norm", device):
         impls[f"fusedattn-{backend}"] = lambda x, w, b, be=backend: fusedattn.layer_norm(
             x, x.shape[-1:], w, b, backend=be
@@ -39,7 +42,7 @@ def implementations(device) -> dict:
 
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
-    impls = implementations(device)
+    impls = implementations(device, quick)
     rows = []
     for M, N, dtype in cases(quick, device):
         x = torch.randn(M, N, device=device, dtype=dtype)

@@ -27,8 +27,9 @@ def cases(quick: bool, device: torch.device) -> list[tuple[int, int, torch.dtype
     ]
 
 
-def implementations(device) -> dict:
-    """{impl: fn(x, keep) -> y}; keep is None or a bool mask (True = keep)."""
+def implementations(device, quick: bool = True) -> dict:
+    """{impl: fn(x, keep) -> y}; keep is None or a bool mask (True = keep); torch.compile's
+    kernel in full GPU runs."""
 
     def torch_softmax(x, keep):
         if keep is not None:
@@ -36,6 +37,8 @@ def implementations(device) -> dict:
         return torch.softmax(x, dim=-1)
 
     impls = {"naive": lambda x, keep: reference.softmax(x, -1, mask=keep), "torch": torch_softmax}
+    if device.type == "cuda" and not quick:
+        impls["torch-compile"] = torch.compile(torch_softmax)
     for backend in harness.kernel_backends("softmax", device):
         impls[f"fusedattn-{backend}"] = lambda x, keep, be=backend: fusedattn.softmax(
             x, -1, mask=keep, backend=be
@@ -44,7 +47,7 @@ def implementations(device) -> dict:
 
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
-    impls = implementations(device)
+    impls = implementations(device, quick)
     rows = []
     for M, N, dtype, mask in cases(quick, device):
         x = torch.randn(M, N, device=device, dtype=dtype) * 4

@@ -32,7 +32,7 @@ from fusedattn.testing import compare_kx
 COLUMNS = [
     "op", "mode", "impl", "dtype", "B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask", "pass",
     "ms", "tflops", "gbps", "peak_mem_mb", "speedup_vs_naive", "device", "torch", "triton",
-    "cuda", "git_sha", "date", "note", "tokens_per_s", "step", "loss",
+    "cuda", "git_sha", "date", "note", "tokens_per_s", "step", "loss", "pct_of_copy",
 ]  # fmt: skip
 MODES = ("fwd", "bwd", "fwd+bwd")
 REPO = Path(__file__).resolve().parent.parent
@@ -142,6 +142,16 @@ def peak_memory_mb(fn: Callable[[], object], *, device: torch.device) -> float |
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def copy_gbps(device: torch.device, nbytes: int = 512 * 2**20) -> float | None:
+    """Measured device copy bandwidth (read + write) of a buffer well past the L2, the
+    ceiling for LayerNorm and softmax; None on CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return gbps(2 * nbytes, time_ms(lambda: dst.copy_(src), device=device))
+
+
 def mode_callables(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]):
     """{mode: callable} for fwd, bwd (backward of a saved graph) and fwd+bwd."""
     out = forward()
@@ -223,14 +233,23 @@ def measure(env, device, *, op, impls, leaves, check, fields, work) -> list[dict
             print(f"  {op} {name}: not run for {fields}: {str(exc).splitlines()[0][:120]}")
             continue
         for mode, call in callables.items():
-            ms = time_ms(call, device=device)
+            try:
+                ms = time_ms(call, device=device)
+                peak = peak_memory_mb(call, device=device)
+            except torch.cuda.OutOfMemoryError:  # the naive path at large T: part of the story
+                torch.cuda.empty_cache()
+                rows.append(make_row(env, op=op, mode=mode, impl=name, note="out of memory",
+                                     **fields))  # fmt: skip
+                print(f"  {op} {mode} {name}: out of memory for {fields}")
+                continue
             flops, nbytes = work(mode)
+            speed = None if nbytes is None else gbps(nbytes, ms)
+            copy = env.get("copy_gbps")
             row = make_row(
                 env, op=op, mode=mode, impl=name, ms=ms,
-                tflops=None if flops is None else tflops(flops, ms),
-                gbps=None if nbytes is None else gbps(nbytes, ms),
-                peak_mem_mb=peak_memory_mb(call, device=device),
-                **fields, **{"pass": verdict},
+                tflops=None if flops is None else tflops(flops, ms), gbps=speed,
+                pct_of_copy=None if speed is None or not copy else 100.0 * speed / copy,
+                peak_mem_mb=peak, **fields, **{"pass": verdict},
             )  # fmt: skip
             progress(row)
             rows.append(row)

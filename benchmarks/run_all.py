@@ -54,6 +54,7 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     env = harness.environment(device)
+    env["copy_gbps"] = harness.copy_gbps(device)  # the norms' ceiling, measured in this run
     out = args.out or Path(__file__).resolve().parent / "results" / harness.device_slug(env)
     quick = args.quick
     if device.type != "cuda":
@@ -65,7 +66,9 @@ def main(argv=None) -> int:
         quick = True
     print(
         f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, "
-        f"git {env['git_sha']}, results -> {out}"
+        f"git {env['git_sha']}"
+        + (f", copy {env['copy_gbps']:.0f} GB/s" if env["copy_gbps"] else "")
+        + f", results -> {out}"
     )
 
     all_rows, failed = [], 0
