@@ -34,3 +34,11 @@ def seed_and_clean_env(monkeypatch):
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def kernel_device(device):
+    """Default device for kernel tests: CUDA on a GPU machine (the compiled kernels), else the
+    CPU (the Triton interpreter). Used by the `kernels`-marked modules."""
+    with torch.device(device):
+        yield

@@ -13,17 +13,10 @@ import fusedattn
 from fusedattn import masks, reference
 from fusedattn.testing import assert_close_kx
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernel_device")]
 K = pytest.importorskip("fusedattn.triton_kernels.attention")
 triton_attention = partial(fusedattn.attention, backend="triton")
 ALL = ("q", "k", "v")
-
-
-@pytest.fixture(autouse=True)
-def on_device(device):
-    """The CUDA device on a GPU machine (compiled kernels), else the CPU (interpreter)."""
-    with torch.device(device):
-        yield
 
 
 def check(s: AttentionShape, dtype=torch.float32, layout="transposed", grad_of=ALL, **kwargs):

@@ -12,17 +12,10 @@ import fusedattn
 from fusedattn import reference
 from fusedattn.testing import ABS_FLOOR
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernel_device")]
 K = pytest.importorskip("fusedattn.triton_kernels.layernorm")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_ln = partial(fusedattn.layer_norm, backend="triton")
-
-
-@pytest.fixture(autouse=True)
-def on_device(device):
-    """The CUDA device on a GPU machine (compiled kernels), else the CPU (interpreter)."""
-    with torch.device(device):
-        yield
 
 
 def check(x, weight=None, bias=None, shape=None):

@@ -12,17 +12,10 @@ from launch_probe import probe_kernels
 import fusedattn
 from fusedattn import reference
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernel_device")]
 K = pytest.importorskip("fusedattn.triton_kernels.softmax")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_softmax = partial(fusedattn.softmax, backend="triton")
-
-
-@pytest.fixture(autouse=True)
-def on_device(device):
-    """The CUDA device on a GPU machine (compiled kernels), else the CPU (interpreter)."""
-    with torch.device(device):
-        yield
 
 
 def check(x, **kwargs):
