@@ -18,14 +18,15 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 triton_ln = partial(fusedattn.layer_norm, backend="triton")
 
 
-def check(x, weight=None, bias=None, shape=None):
+def check(x, weight=None, bias=None, shape=None, backend="triton"):
     shape = shape or x.shape[-1:]
     tensors = dict(x=x, weight=weight, bias=bias)
     grad_of = tuple(n for n, t in tensors.items() if t is not None)
     # dx rounding noise grows with rstd (316 at N = 1, where the exact dx is 0)
     stats = x.double().flatten(-len(shape))
     rstd = torch.rsqrt(stats.var(-1, unbiased=False) + 1e-5).max().item()
-    assert_op_kx(triton_ln, reference.layer_norm, tensors, kwargs=dict(normalized_shape=shape),
+    op = partial(fusedattn.layer_norm, backend=backend)
+    assert_op_kx(op, reference.layer_norm, tensors, kwargs=dict(normalized_shape=shape),
                  grad_of=grad_of, grad_atol=ABS_FLOOR[x.dtype] * max(1.0, rstd))  # fmt: skip
 
 
@@ -122,3 +123,26 @@ def test_gpu_sizes(N, dtype):
     w = torch.randn(N, device="cuda", dtype=dtype)
     b = torch.randn(N, device="cuda", dtype=dtype)
     check(x, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1, 7, 127, 1000, 1024, 1025, 4096, 4097, 65536])
+def test_cuda_backend_kx(N, dtype):
+    """The CUDA C++ kernels: warp-per-row up to 1024, block-per-row beyond, vector and
+    scalar loads (4096 vs 4097), fp32 and same-dtype parameters, a strided input."""
+    x = (torch.randn(3, 5, N) * 2 + 1).to(dtype)
+    check(x, torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype), backend="cuda")
+    check(x[:, ::2], torch.randn(N), None, backend="cuda")
+
+
+def test_cuda_backend_refuses_what_it_cannot_run(monkeypatch):
+    from fusedattn.ops import rowwise
+
+    with pytest.raises(ValueError, match="cuda backend needs CUDA tensors"):
+        fusedattn.layer_norm(torch.randn(2, 8, device="cpu"), 8, backend="cuda")
+    assert rowwise.dtype_refusals(torch.randn(2, dtype=torch.float64), backend="cuda")
+    if rowwise.extension_op_refusals("layer_norm") == []:
+        monkeypatch.setattr(rowwise, "extension", lambda: type("C", (), {
+            "build_info": staticmethod(lambda: {"ops": []})}))  # fmt: skip
+        assert "rebuild" in rowwise.extension_op_refusals("layer_norm")[0]

@@ -47,17 +47,36 @@
   }()
 
 // Element types by a runtime tag; kernels see cuda_fp16 / cuda_bf16 types, never torch's.
+namespace fusedattn {
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+}  // namespace fusedattn
 
 #define FP16_BF16_SWITCH(DTYPE, TYPE_NAME, ...)                             \
   [&] {                                                                     \
-    if ((DTYPE) == DType::kFloat16) {                                       \
+    if ((DTYPE) == ::fusedattn::DType::kFloat16) {                          \
       using TYPE_NAME = __half;                                             \
       return __VA_ARGS__();                                                 \
-    } else if ((DTYPE) == DType::kBFloat16) {                               \
+    } else if ((DTYPE) == ::fusedattn::DType::kBFloat16) {                  \
       using TYPE_NAME = __nv_bfloat16;                                      \
       return __VA_ARGS__();                                                 \
     } else {                                                                \
       throw std::invalid_argument("expected a float16 or bfloat16 tensor"); \
     }                                                                       \
+  }()
+
+// Every element type the row-wise kernels take.
+#define FLOATING_SWITCH(DTYPE, TYPE_NAME, ...)                                       \
+  [&] {                                                                              \
+    if ((DTYPE) == ::fusedattn::DType::kFloat32) {                                   \
+      using TYPE_NAME = float;                                                       \
+      return __VA_ARGS__();                                                          \
+    } else if ((DTYPE) == ::fusedattn::DType::kFloat16) {                            \
+      using TYPE_NAME = __half;                                                      \
+      return __VA_ARGS__();                                                          \
+    } else if ((DTYPE) == ::fusedattn::DType::kBFloat16) {                           \
+      using TYPE_NAME = __nv_bfloat16;                                               \
+      return __VA_ARGS__();                                                          \
+    } else {                                                                         \
+      throw std::invalid_argument("expected a float16, bfloat16 or float32 tensor"); \
+    }                                                                                \
   }()

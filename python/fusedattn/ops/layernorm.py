@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from . import backends, triton_rowwise
+from . import backends, rowwise
 from .autocast import apply_autocast
 from .checks import check_layer_norm_args
 
@@ -21,18 +21,28 @@ def _reference_layer_norm(x, normalized_shape, weight, bias, eps):
     return reference.layer_norm(x, normalized_shape, weight, bias, eps)
 
 
-def _triton_layer_norm(x, normalized_shape, weight, bias, eps):
-    n = math.prod(normalized_shape)
-    return torch.ops.fusedattn.layer_norm_fwd(x, n, weight, bias, eps)[0]
+def _kernel_layer_norm(backend):
+    def run(x, normalized_shape, weight, bias, eps):
+        n = math.prod(normalized_shape)
+        return torch.ops.fusedattn.layer_norm_fwd(x, n, weight, bias, eps, backend)[0]
+
+    return run
 
 
 def _triton_refusals(*, x, weight, bias, **_inputs) -> list[str]:
-    return triton_rowwise.dtype_refusals(x, weight, bias)
+    return rowwise.dtype_refusals(x, weight, bias)
+
+
+def _cuda_refusals(*, x, weight, bias, **_inputs) -> list[str]:
+    return rowwise.dtype_refusals(x, weight, bias, backend="cuda") + rowwise.extension_op_refusals(
+        "layer_norm"
+    )
 
 
 backends.register("layer_norm", "reference", _reference_layer_norm, backends.no_refusals)
 backends.register("layer_norm", "torch", _torch_layer_norm, backends.no_refusals)
-backends.register("layer_norm", "triton", _triton_layer_norm, _triton_refusals)
+backends.register("layer_norm", "triton", _kernel_layer_norm("triton"), _triton_refusals)
+backends.register("layer_norm", "cuda", _kernel_layer_norm("cuda"), _cuda_refusals)
 
 
 def layer_norm(

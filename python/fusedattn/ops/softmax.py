@@ -6,7 +6,7 @@ import torch
 
 from .. import reference
 from ..masks import causal_mask
-from . import backends, triton_rowwise
+from . import backends, rowwise
 from .autocast import apply_autocast
 from .checks import check_softmax_args
 
@@ -30,21 +30,30 @@ def _reference_softmax(x, dim, mask, scale, is_causal):
     return reference.softmax(x, dim, mask=mask, scale=scale, is_causal=is_causal)
 
 
-def _triton_softmax(x, dim, mask, scale, is_causal):
-    scale = 1.0 if scale is None else float(scale)
-    return torch.ops.fusedattn.softmax_fwd(x, dim, mask, scale, is_causal)
+def _kernel_softmax(backend):
+    def run(x, dim, mask, scale, is_causal):
+        scale = 1.0 if scale is None else float(scale)
+        return torch.ops.fusedattn.softmax_fwd(x, dim, mask, scale, is_causal, backend)
+
+    return run
 
 
-def _triton_refusals(*, x, mask, **_inputs) -> list[str]:
-    reasons = triton_rowwise.dtype_refusals(x)
-    if mask is not None and mask.requires_grad:
-        reasons.append("the Triton softmax has no gradient for a float mask that requires grad")
-    return reasons
+def _kernel_refusals(backend):
+    def refusals(*, x, mask, **_inputs) -> list[str]:
+        reasons = rowwise.dtype_refusals(x, backend=backend)
+        if backend == "cuda":
+            reasons += rowwise.extension_op_refusals("softmax")
+        if mask is not None and mask.requires_grad:
+            reasons.append(f"the {backend} softmax has no gradient for a float mask")
+        return reasons
+
+    return refusals
 
 
 backends.register("softmax", "reference", _reference_softmax, backends.no_refusals)
 backends.register("softmax", "torch", _torch_softmax, backends.no_refusals)
-backends.register("softmax", "triton", _triton_softmax, _triton_refusals)
+backends.register("softmax", "triton", _kernel_softmax("triton"), _kernel_refusals("triton"))
+backends.register("softmax", "cuda", _kernel_softmax("cuda"), _kernel_refusals("cuda"))
 
 
 def softmax(

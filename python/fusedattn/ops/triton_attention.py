@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .triton_rowwise import KERNEL_DTYPES, kernels
+from .rowwise import KERNEL_DTYPES, kernels
 
 MAX_HEAD_DIM = 256
 

@@ -1,9 +1,10 @@
-"""Triton launchers for the row-wise ops (LayerNorm, softmax), registered as torch.library
-custom ops with fake implementations and autograd, so torch.compile(fullgraph=True) sees one
-opaque op per launch. (Signatures say Optional[...]: torch.library infers the op schema from
-them, and typing.Optional is the spelling every supported torch version reads.)
+"""The row-wise ops (LayerNorm, softmax) of the kernel backends, as torch.library custom ops
+with fake implementations and autograd, so torch.compile(fullgraph=True) sees one opaque op per
+launch. One op per step serves both backends (`backend` is "triton" or "cuda"), so the
+autograd and layout glue exist once. (Signatures say Optional[...]: torch.library infers the
+op schema from them, and typing.Optional is the spelling every supported torch version reads.)
 
-The kernel modules import triton, so they are imported on the first launch: `import
+The Triton kernel modules import triton, so they are imported on the first launch: `import
 fusedattn` never imports triton.
 """
 
@@ -21,6 +22,16 @@ def kernels(name: str):
     return importlib.import_module(f"fusedattn.triton_kernels.{name}")
 
 
+def extension():
+    """fusedattn._C (dispatch has already checked that it loads)."""
+    return importlib.import_module("fusedattn._C")
+
+
+def _fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The CUDA kernels read parameters as contiguous fp32 (n elements: a negligible copy)."""
+    return None if t is None else t.float().contiguous().view(-1)
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -31,11 +42,21 @@ def program_budget(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
-def dtype_refusals(*tensors: torch.Tensor | None) -> list[str]:
+def dtype_refusals(*tensors: Optional[torch.Tensor], backend: str = "triton") -> list[str]:
     bad = sorted({str(t.dtype) for t in tensors if t is not None and t.dtype not in KERNEL_DTYPES})
     if bad:
-        return [f"the Triton kernels take float16, bfloat16 and float32, got {', '.join(bad)}"]
+        name = "Triton" if backend == "triton" else "CUDA"
+        return [f"the {name} kernels take float16, bfloat16 and float32, got {', '.join(bad)}"]
     return []
+
+
+def extension_op_refusals(op: str) -> list[str]:
+    """Why fusedattn._C cannot run `op` (built before the op existed, or not at all)."""
+    try:
+        ops = extension().build_info()["ops"]
+    except ImportError:
+        return []  # the device-level check already says the extension does not load
+    return [] if op in ops else [f"fusedattn._C was built without {op}: rebuild it"]
 
 
 # ---- LayerNorm ------------------------------------------------------------------------------
@@ -54,10 +75,14 @@ def layer_norm_fwd(
     weight: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
     eps: float,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (y shaped like x, mean (M,) fp32, rstd (M,) fp32) over the trailing n elements."""
-    K = kernels("layernorm")
     rows = _rows(x, n)
+    if backend == "cuda":
+        y, mean, rstd = extension().layer_norm_fwd(rows, _fp32(weight), _fp32(bias), eps)
+        return y.view(x.shape), mean, rstd
+    K = kernels("layernorm")
     M = rows.shape[0]
     y = torch.empty((M, n), dtype=x.dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -74,7 +99,7 @@ def layer_norm_fwd(
 
 
 @layer_norm_fwd.register_fake
-def _(x, n, weight, bias, eps):
+def _(x, n, weight, bias, eps, backend):
     M = x.numel() // n
     stats = x.new_empty(M, dtype=torch.float32)
     return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
@@ -89,12 +114,19 @@ def layer_norm_bwd(
     rstd: torch.Tensor,
     n: int,
     param_grads: bool,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dx, dweight_sum, dbias_sum): fp32 (n,) parameter gradients (empty without
     param_grads), reduced from per-program partials in a fixed order (deterministic)."""
-    K = kernels("layernorm")
     rows, drows = _rows(x, n), _rows(dy, n)
     M = rows.shape[0]
+    if backend == "cuda":
+        groups = 4 * program_budget(x.device)
+        dx, dw, db = extension().layer_norm_bwd(
+            drows, rows, _fp32(weight), mean, rstd, param_grads, groups
+        )
+        return dx.view(x.shape), dw, db
+    K = kernels("layernorm")
     dx = torch.empty((M, n), dtype=x.dtype, device=x.device)
     programs = K.backward_programs(M, program_budget(x.device))
     per_program = -(-M // programs) if M else 1
@@ -129,16 +161,16 @@ def layer_norm_bwd(
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, n, param_grads):
+def _(dy, x, weight, mean, rstd, n, param_grads, backend):
     grads = x.new_empty(n if param_grads else 0, dtype=torch.float32)
     return torch.empty_like(x, memory_format=torch.contiguous_format), grads, grads.clone()
 
 
 def _layer_norm_setup(ctx, inputs, output):
-    x, n, weight, bias, _eps = inputs
+    x, n, weight, bias, _eps, backend = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.n, ctx.has_bias = n, bias is not None
+    ctx.n, ctx.has_bias, ctx.backend = n, bias is not None, backend
     ctx.param_shape = next((p.shape for p in (weight, bias) if p is not None), None)
     ctx.mark_non_differentiable(mean, rstd)
 
@@ -148,7 +180,7 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd):
     need_w = weight is not None and ctx.needs_input_grad[2]
     need_b = ctx.has_bias and ctx.needs_input_grad[3]
     dx, dw, db = torch.ops.fusedattn.layer_norm_bwd(
-        dy, x, weight, mean, rstd, ctx.n, need_w or need_b
+        dy, x, weight, mean, rstd, ctx.n, need_w or need_b, ctx.backend
     )
     shape = ctx.param_shape
     return (
@@ -156,6 +188,7 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd):
         None,
         dw.view(shape).to(weight.dtype) if need_w else None,
         db.view(shape).to(dy.dtype if weight is None else weight.dtype) if need_b else None,
+        None,
         None,
     )
 
@@ -186,13 +219,23 @@ def _strides(t4: torch.Tensor) -> tuple[int, int, int, int]:
 
 @torch.library.custom_op("fusedattn::softmax_fwd", mutates_args=())
 def softmax_fwd(
-    x: torch.Tensor, dim: int, mask: Optional[torch.Tensor], scale: float, is_causal: bool
+    x: torch.Tensor,
+    dim: int,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+    backend: str,
 ) -> torch.Tensor:
-    K = kernels("softmax")
     y = empty_softmax_like(x, dim)
     x4, y4 = as_4d(x, dim), as_4d(y, dim)
     A, B, C, N = x4.shape
     m4 = as_4d(mask.expand(x.shape), dim) if mask is not None else None
+    if backend == "cuda":
+        keep = m4 if m4 is not None and m4.dtype == torch.bool else None
+        bias = m4.float() if m4 is not None and keep is None else None
+        extension().softmax_fwd(x4, y4, keep, bias, scale, is_causal)
+        return y
+    K = kernels("softmax")
     if x.numel():
         cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
         kernel = K.softmax_fwd_one_pass if cfg.one_pass else K.softmax_fwd_looped
@@ -206,17 +249,22 @@ def softmax_fwd(
 
 
 @softmax_fwd.register_fake
-def _(x, dim, mask, scale, is_causal):
+def _(x, dim, mask, scale, is_causal, backend):
     return empty_softmax_like(x, dim)
 
 
 @torch.library.custom_op("fusedattn::softmax_bwd", mutates_args=())
-def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
+def softmax_bwd(
+    y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float, backend: str
+) -> torch.Tensor:
     """dx = scale * y * (dy - sum(dy * y)) along dim; dy is read, never written."""
-    K = kernels("softmax")
     dx = empty_softmax_like(y, dim)
     y4, dy4, dx4 = as_4d(y, dim), as_4d(dy, dim), as_4d(dx, dim)
     A, B, C, N = y4.shape
+    if backend == "cuda":
+        extension().softmax_bwd(y4, dy4, dx4, scale)
+        return dx
+    K = kernels("softmax")
     if y.numel():
         cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
         kernel = K.softmax_bwd_one_pass if cfg.one_pass else K.softmax_bwd_looped
@@ -228,19 +276,20 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float) -> to
 
 
 @softmax_bwd.register_fake
-def _(y, dy, dim, scale):
+def _(y, dy, dim, scale, backend):
     return empty_softmax_like(y, dim)
 
 
 def _softmax_setup(ctx, inputs, output):
-    _x, dim, _mask, scale, _causal = inputs
+    _x, dim, _mask, scale, _causal, backend = inputs
     ctx.save_for_backward(output)
-    ctx.dim, ctx.scale = dim, scale
+    ctx.dim, ctx.scale, ctx.backend = dim, scale, backend
 
 
 def _softmax_backward(ctx, dy):
     (y,) = ctx.saved_tensors
-    return torch.ops.fusedattn.softmax_bwd(y, dy, ctx.dim, ctx.scale), None, None, None, None
+    dx = torch.ops.fusedattn.softmax_bwd(y, dy, ctx.dim, ctx.scale, ctx.backend)
+    return dx, None, None, None, None, None
 
 
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)

@@ -1,0 +1,38 @@
+// LayerNorm over rows of N elements: launchers callable without torch headers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/static_switch.h"
+
+namespace fusedattn {
+
+struct LayerNormParams {
+  const void* x;           // (M, N), unit column stride, row stride x_row_stride
+  void* y;                 // (M, N) contiguous
+  const float* weight;     // (N) fp32 or nullptr
+  const float* bias;       // (N) fp32 or nullptr
+  float* mean;             // (M) fp32
+  float* rstd;             // (M) fp32
+  const void* dy;          // backward: (M, N), row stride dy_row_stride
+  void* dx;                // backward: (M, N) contiguous
+  float* dweight_partial;  // backward: (groups, N) fp32, nullptr to skip parameter grads
+  float* dbias_partial;    // backward: (groups, N) fp32
+  int64_t rows;
+  int64_t n;
+  int64_t x_row_stride;
+  int64_t dy_row_stride;
+  int64_t groups;  // backward: row groups of the two-stage parameter reduction
+  float eps;
+  DType dtype;
+};
+
+void layer_norm_forward(const LayerNormParams& params, cudaStream_t stream);
+void layer_norm_backward(const LayerNormParams& params, cudaStream_t stream);
+// dweight/dbias = column sums of the (groups, N) partials, in group order (deterministic).
+void layer_norm_reduce_partials(const float* partial, float* out, int64_t groups, int64_t n,
+                                cudaStream_t stream);
+
+}  // namespace fusedattn
