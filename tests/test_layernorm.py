@@ -142,7 +142,9 @@ def test_cuda_backend_refuses_what_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="cuda backend needs CUDA tensors"):
         fusedattn.layer_norm(torch.randn(2, 8, device="cpu"), 8, backend="cuda")
     assert rowwise.dtype_refusals(torch.randn(2, dtype=torch.float64), backend="cuda")
-    if rowwise.extension_op_refusals("layer_norm") == []:
-        monkeypatch.setattr(rowwise, "extension", lambda: type("C", (), {
-            "build_info": staticmethod(lambda: {"ops": []})}))  # fmt: skip
-        assert "rebuild" in rowwise.extension_op_refusals("layer_norm")[0]
+    from fusedattn.ops import backends
+
+    monkeypatch.setattr(backends, "EXTENSION_ERROR", None)
+    monkeypatch.setattr(backends, "EXTENSION_OPS", frozenset({"softmax"}))  # an older build
+    assert "rebuild" in rowwise.extension_op_refusals("layer_norm")[0]
+    assert rowwise.extension_op_refusals("softmax") == []

@@ -60,17 +60,18 @@ def no_refusals(**_inputs) -> list[str]:
 # ---- process- and device-level reasons, shared by every op of a backend -------------------
 
 
-def _probe_extension() -> str | None:
+def _probe_extension() -> tuple[str | None, frozenset[str]]:
+    """(why fusedattn._C does not load, or None; the ops it was built with)."""
     try:
-        importlib.import_module("fusedattn._C")
+        extension = importlib.import_module("fusedattn._C")
     except ImportError as exc:
-        return f"fusedattn._C is not built or does not load ({exc})"
-    return None
+        return f"fusedattn._C is not built or does not load ({exc})", frozenset()
+    return None, frozenset(extension.build_info()["ops"])
 
 
 # Probed once at import (neither touches CUDA nor imports triton), so dispatch stays plain
 # attribute reads that torch.compile traces without graph breaks.
-EXTENSION_ERROR = _probe_extension()
+EXTENSION_ERROR, EXTENSION_OPS = _probe_extension()
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from . import backends
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -51,12 +53,11 @@ def dtype_refusals(*tensors: Optional[torch.Tensor], backend: str = "triton") ->
 
 
 def extension_op_refusals(op: str) -> list[str]:
-    """Why fusedattn._C cannot run `op` (built before the op existed, or not at all)."""
-    try:
-        ops = extension().build_info()["ops"]
-    except ImportError:
-        return []  # the device-level check already says the extension does not load
-    return [] if op in ops else [f"fusedattn._C was built without {op}: rebuild it"]
+    """Why fusedattn._C cannot run `op`: built before the op existed. (That it does not load at
+    all is the device-level reason.)"""
+    if backends.EXTENSION_ERROR or op in backends.EXTENSION_OPS:
+        return []
+    return [f"fusedattn._C was built without {op}: rebuild it"]
 
 
 # ---- LayerNorm ------------------------------------------------------------------------------
