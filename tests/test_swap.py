@@ -3,6 +3,7 @@ replaced, fusedattn's kernels really running (torch's fast paths do not bypass t
 and in eval), outputs and gradients within the k× rule for models, autocast, torch.compile."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -14,6 +15,14 @@ from fusedattn.reference.transformer import Transformer, TransformerConfig
 from fusedattn.testing import assert_close_kx
 
 MODEL_K = 3.0  # the k of the rule for whole models
+# The Triton kernels on CPU tensors run in the interpreter (conftest sets it without a GPU).
+TRITON_ON_CPU = pytest.param(
+    "triton",
+    marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+    ),
+)
+CPU_BACKENDS = ["reference", "torch", TRITON_ON_CPU]
 
 
 def encoder_layer(batch_first, norm_first=False):
@@ -80,7 +89,7 @@ def run_and_compare(model, make_inputs, *, backend="torch", train=True, expect=(
     return counts
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -117,7 +126,7 @@ class _Call(nn.Module):
         return self.fn(self.model, *args)
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_nn_transformer_with_padding_and_causal_masks(train, batch_first, backend):
@@ -142,7 +151,7 @@ def test_nn_transformer_with_padding_and_causal_masks(train, batch_first, backen
     assert counts[("attention", backend)] == 6
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_reference_transformer_swapped(backend, train, norm_first):
