@@ -230,12 +230,16 @@ def softmax_fwd(
     y = empty_softmax_like(x, dim)
     x4, y4 = as_4d(x, dim), as_4d(y, dim)
     A, B, C, N = x4.shape
-    m4 = as_4d(mask.expand(x.shape), dim) if mask is not None else None
-    if backend == "cuda":
-        keep = m4 if m4 is not None and m4.dtype == torch.bool else None
-        bias = m4.float() if m4 is not None and keep is None else None
-        extension().softmax_fwd(x4, y4, keep, bias, scale, is_causal)
+    if backend == "cuda":  # reads bool masks as bytes, additive ones as fp32
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.float()  # before the broadcast: never a full-size copy
+        m4 = as_4d(mask.expand(x.shape), dim) if mask is not None else None
+        is_bool = m4 is not None and m4.dtype == torch.bool
+        extension().softmax_fwd(
+            x4, y4, m4 if is_bool else None, None if is_bool else m4, scale, is_causal
+        )
         return y
+    m4 = as_4d(mask.expand(x.shape), dim) if mask is not None else None
     K = kernels("softmax")
     if x.numel():
         cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
