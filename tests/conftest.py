@@ -1,4 +1,5 @@
-"""Test rails: GPU markers that skip cleanly, a seed per test, the Triton interpreter on CPU.
+"""Test rails: GPU markers that skip cleanly, a seed per test, the Triton interpreter on CPU,
+poisoned kernel outputs.
 
 TRITON_INTERPRET=1 must be set before any kernel module is imported (triton.jit reads it when
 a kernel is defined), so it is set here, at conftest import, when there is no GPU.
@@ -12,6 +13,8 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Kernel outputs start as NaN, so an element a kernel forgets to write fails the comparison.
+os.environ.setdefault("FUSEDATTN_POISON_OUTPUTS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ fusedattn` never imports triton.
 
 import functools
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -17,6 +18,24 @@ import torch
 from . import backends
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+POISON_ENV = "FUSEDATTN_POISON_OUTPUTS"
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty, or NaN-filled when FUSEDATTN_POISON_OUTPUTS=1 (the test suite sets it): an
+    element a kernel forgets to write then fails every comparison instead of passing as stale
+    memory that happens to hold the right value."""
+    if os.environ.get(POISON_ENV) == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def new_output_like(t: torch.Tensor) -> torch.Tensor:
+    """torch.empty_like (same strides), poisoned like new_output."""
+    out = torch.empty_like(t)
+    return out.fill_(float("nan")) if os.environ.get(POISON_ENV) == "1" else out
 
 
 def kernels(name: str):
@@ -85,9 +104,9 @@ def layer_norm_fwd(
         return y.view(x.shape), mean, rstd
     K = kernels("layernorm")
     M = rows.shape[0]
-    y = torch.empty((M, n), dtype=x.dtype, device=x.device)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    y = new_output((M, n), x.dtype, x.device)
+    mean = new_output((M,), torch.float32, x.device)
+    rstd = new_output((M,), torch.float32, x.device)
     if M:
         cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
         kernel = K.layer_norm_fwd_one_pass if cfg.one_pass else K.layer_norm_fwd_looped
@@ -128,7 +147,7 @@ def layer_norm_bwd(
         )
         return dx.view(x.shape), dw, db
     K = kernels("layernorm")
-    dx = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    dx = new_output((M, n), x.dtype, x.device)
     programs = K.backward_programs(M, program_budget(x.device))
     per_program = -(-M // programs) if M else 1
     shape = (programs, n) if param_grads else (0,)
@@ -211,7 +230,7 @@ def as_4d(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def empty_softmax_like(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Output buffer: contiguous with `dim` last, returned in x's dim order (a view)."""
-    return torch.empty(x.movedim(dim, -1).shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+    return new_output(x.movedim(dim, -1).shape, x.dtype, x.device).movedim(-1, dim)
 
 
 def _strides(t4: torch.Tensor) -> tuple[int, int, int, int]:

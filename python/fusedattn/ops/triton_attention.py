@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .rowwise import KERNEL_DTYPES, kernels
+from .rowwise import KERNEL_DTYPES, kernels, new_output, new_output_like
 
 MAX_HEAD_DIM = 256
 
@@ -31,7 +31,7 @@ def _empty_out(q: torch.Tensor, Dv: int) -> torch.Tensor:
     """(B, Hq, Tq, Dv) view of a (B, Tq, Hq, Dv) buffer: the merge of heads that follows in a
     module (out.transpose(1, 2).flatten(2)) is then free."""
     B, H, T, _ = q.shape
-    return torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    return new_output((B, T, H, Dv), q.dtype, q.device).transpose(1, 2)
 
 
 def _dot_flags(q: torch.Tensor) -> dict:
@@ -81,7 +81,7 @@ def attention_fwd(
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = _empty_out(q, Dv)
-    lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    lse = new_output((B, H, Tq), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     K, cfg = _config(q, v)
@@ -124,14 +124,14 @@ def attention_bwd(
     q, k, v, out, do = (_unit_last_stride(t) for t in (q, k, v, out, do))
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
     # zeros: causal tiles the dq kernel skips must read 0
     dmask = torch.zeros((B, H, Tq, Tk) if mask_grad else (0,), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask
     K, cfg = _config(q, v)
     mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
-    delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    delta = new_output((B, H, Tq), torch.float32, q.device)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_DV=cfg.block_dv)
     K.attention_bwd_delta[(B * H, -(-Tq // cfg.block_m))](
         out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Tq, Dv, **tiles
