@@ -51,20 +51,7 @@ namespace fusedattn {
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 }  // namespace fusedattn
 
-#define FP16_BF16_SWITCH(DTYPE, TYPE_NAME, ...)                             \
-  [&] {                                                                     \
-    if ((DTYPE) == ::fusedattn::DType::kFloat16) {                          \
-      using TYPE_NAME = __half;                                             \
-      return __VA_ARGS__();                                                 \
-    } else if ((DTYPE) == ::fusedattn::DType::kBFloat16) {                  \
-      using TYPE_NAME = __nv_bfloat16;                                      \
-      return __VA_ARGS__();                                                 \
-    } else {                                                                \
-      throw std::invalid_argument("expected a float16 or bfloat16 tensor"); \
-    }                                                                       \
-  }()
-
-// Every element type the row-wise kernels take.
+// Element types the kernels take (fp32 included; a kernel that refuses fp32 does so in Python).
 #define FLOATING_SWITCH(DTYPE, TYPE_NAME, ...)                                       \
   [&] {                                                                              \
     if ((DTYPE) == ::fusedattn::DType::kFloat32) {                                   \
