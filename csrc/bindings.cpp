@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include "attention/attention.h"
 #include "common/build_info.h"
 #include "common/tensor_checks.h"
 #include "layernorm/layernorm.h"
@@ -160,6 +161,149 @@ void softmax_bwd(const torch::Tensor& y, const torch::Tensor& dy, torch::Tensor&
   fusedattn::softmax_backward(p, c10::cuda::getCurrentCUDAStream());
 }
 
+// ---- attention ------------------------------------------------------------------------------
+
+// (B, H, T, D) with a unit last stride, 16-byte aligned rows: the kernels copy 16 bytes at a
+// time. Strides of size-1 dims are never used for addressing, so they may be anything.
+void check_attention_tensor(const torch::Tensor& t, const char* name, const torch::Tensor& q) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on q's CUDA device");
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (B, H, T, D), got ", t.dim(), " dims");
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have q's dtype");
+  TORCH_CHECK(t.size(3) == 0 || t.stride(3) == 1, name, " must have a unit last stride");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be 16-byte aligned");
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK(t.size(i) <= 1 || t.stride(i) % 8 == 0, name,
+                " needs strides that are multiples of 8 elements, got ", t.strides());
+  }
+}
+
+void copy_3(int64_t* dst, const torch::Tensor& t) {
+  for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
+}
+
+fusedattn::AttentionParams attention_params(const torch::Tensor& q, const torch::Tensor& k,
+                                            const torch::Tensor& v, const torch::Tensor& out,
+                                            const torch::Tensor& lse,
+                                            const c10::optional<torch::Tensor>& attn_mask,
+                                            const c10::optional<torch::Tensor>& key_padding_mask,
+                                            bool is_causal, double scale, double dropout_p,
+                                            const c10::optional<torch::Tensor>& seed) {
+  check_attention_tensor(q, "q", q);
+  check_attention_tensor(k, "k", q);
+  check_attention_tensor(v, "v", q);
+  check_attention_tensor(out, "out", q);
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Tk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(
+      k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Tk && k.size(3) == D,
+      "q, k, v shapes disagree: ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(out.sizes() == torch::IntArrayRef({B, H, Tq, Dv}), "out must be (B, H, Tq, Dv)");
+  TORCH_CHECK(lse.is_cuda() && lse.scalar_type() == torch::kFloat32 && lse.is_contiguous() &&
+                  lse.sizes() == torch::IntArrayRef({B, H, Tq}),
+              "lse must be contiguous float32 (B, H, Tq)");
+  TORCH_CHECK(Tq < (int64_t{1} << 31) && Tk < (int64_t{1} << 31) && B * H < (int64_t{1} << 31),
+              "sequence lengths and B*H must fit in 31 bits");
+  fusedattn::AttentionParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  copy_3(p.q_stride, q);
+  copy_3(p.k_stride, k);
+  copy_3(p.v_stride, v);
+  copy_3(p.out_stride, out);
+  if (attn_mask.has_value()) {
+    const auto& m = *attn_mask;
+    TORCH_CHECK(m.is_cuda() && m.sizes() == torch::IntArrayRef({B, H, Tq, Tk}),
+                "attn_mask must be a CUDA (B, H, Tq, Tk) view (expanded: strides 0)");
+    TORCH_CHECK(m.scalar_type() == torch::kBool || m.scalar_type() == torch::kFloat32,
+                "attn_mask must be bool or float32");
+    p.mask = m.data_ptr();
+    p.mask_is_bool = m.scalar_type() == torch::kBool;
+    for (int i = 0; i < 4; ++i) p.mask_stride[i] = m.stride(i);
+  }
+  if (key_padding_mask.has_value()) {
+    const auto& m = *key_padding_mask;
+    TORCH_CHECK(m.is_cuda() && m.scalar_type() == torch::kBool &&
+                    m.sizes() == torch::IntArrayRef({B, Tk}) && (Tk <= 1 || m.stride(1) == 1),
+                "key_padding_mask must be a CUDA bool (B, Tk) tensor with a unit key stride");
+    p.key_padding = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    p.key_padding_stride = m.stride(0);
+  }
+  p.dropout_p = static_cast<float>(dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(seed.has_value() && seed->is_cuda() && seed->scalar_type() == torch::kInt64 &&
+                    seed->numel() == 1,
+                "dropout needs a one-element int64 CUDA seed tensor");
+    p.seed = seed->data_ptr<int64_t>();
+  }
+  p.batch = static_cast<int>(B);
+  p.heads = static_cast<int>(H);
+  p.kv_heads = static_cast<int>(Hkv);
+  p.seqlen_q = static_cast<int>(Tq);
+  p.seqlen_k = static_cast<int>(Tk);
+  p.head_dim = static_cast<int>(D);
+  p.head_dim_v = static_cast<int>(Dv);
+  p.scale = static_cast<float>(scale);
+  p.is_causal = is_causal;
+  p.dtype = dtype_of(q);
+  return p;
+}
+
+void attention_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                   torch::Tensor& out, torch::Tensor& lse,
+                   const c10::optional<torch::Tensor>& attn_mask,
+                   const c10::optional<torch::Tensor>& key_padding_mask, bool is_causal,
+                   double scale, double dropout_p, const c10::optional<torch::Tensor>& seed) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto p = attention_params(q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
+                                  dropout_p, seed);
+  fusedattn::attention_forward(p, c10::cuda::getCurrentCUDAStream());
+}
+
+void attention_bwd(const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                   torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv, torch::Tensor& delta,
+                   const c10::optional<torch::Tensor>& dscores,
+                   const c10::optional<torch::Tensor>& attn_mask,
+                   const c10::optional<torch::Tensor>& key_padding_mask, bool is_causal,
+                   double scale, double dropout_p, const c10::optional<torch::Tensor>& seed) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto p = attention_params(q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
+                            dropout_p, seed);
+  check_attention_tensor(dout, "dout", q);
+  check_attention_tensor(dq, "dq", q);
+  check_attention_tensor(dk, "dk", q);
+  check_attention_tensor(dv, "dv", q);
+  TORCH_CHECK(dout.sizes() == out.sizes() && dq.sizes() == q.sizes() && dk.sizes() == k.sizes() &&
+                  dv.sizes() == v.sizes(),
+              "gradients must match their inputs' shapes");
+  TORCH_CHECK(delta.is_cuda() && delta.scalar_type() == torch::kFloat32 && delta.is_contiguous() &&
+                  delta.sizes() == lse.sizes(),
+              "delta must be contiguous float32 (B, H, Tq)");
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  copy_3(p.dout_stride, dout);
+  copy_3(p.dq_stride, dq);
+  copy_3(p.dk_stride, dk);
+  copy_3(p.dv_stride, dv);
+  p.delta = delta.data_ptr<float>();
+  if (dscores.has_value()) {
+    TORCH_CHECK(p.mask != nullptr && !p.mask_is_bool, "dscores needs a float attn_mask");
+    TORCH_CHECK(
+        dscores->is_cuda() && dscores->scalar_type() == torch::kFloat32 &&
+            dscores->is_contiguous() &&
+            dscores->sizes() == torch::IntArrayRef({q.size(0), q.size(1), q.size(2), k.size(2)}),
+        "dscores must be contiguous float32 (B, H, Tq, Tk)");
+    p.dscores = dscores->data_ptr<float>();
+  }
+  fusedattn::attention_backward(p, c10::cuda::getCurrentCUDAStream());
+}
+
 pybind11::dict build_info() {
   pybind11::dict info;
   info["cuda_compiled"] = fusedattn::compiled_cuda_version();
@@ -169,7 +313,7 @@ pybind11::dict build_info() {
   info["torch_compiled"] = std::to_string(TORCH_VERSION_MAJOR) + "." +
                            std::to_string(TORCH_VERSION_MINOR) + "." +
                            std::to_string(TORCH_VERSION_PATCH);
-  info["ops"] = std::vector<std::string>{"layer_norm", "softmax"};
+  info["ops"] = std::vector<std::string>{"attention", "layer_norm", "softmax"};
   return info;
 }
 
@@ -185,4 +329,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "LayerNorm backward -> (dx, dweight fp32, dbias fp32), deterministic");
   m.def("softmax_fwd", &softmax_fwd, "softmax over the last axis of an (A, B, C, N) view");
   m.def("softmax_bwd", &softmax_bwd, "softmax backward into dx (dy is never written)");
+  m.def("attention_fwd", &attention_fwd,
+        "flash attention forward into out (B, H, Tq, Dv) and lse (B, H, Tq) fp32");
+  m.def("attention_bwd", &attention_bwd,
+        "flash attention backward into dq, dk, dv (deterministic); delta is scratch; dscores "
+        "(optional) receives the dense gradient of the scores for a float mask");
 }

@@ -92,7 +92,7 @@ def test_explicit_backend_refusal_lists_every_reason(monkeypatch):
     with pytest.raises(ValueError) as info:
         fusedattn.attention(*small_qkv(), backend="cuda")
     assert "needs CUDA tensors" in str(info.value)
-    assert "no cuda implementation of attention" in str(info.value)
+    assert "float16 and bfloat16, got torch.float32" in str(info.value)
 
 
 def test_torch_backend_refuses_return_lse_with_its_reason():

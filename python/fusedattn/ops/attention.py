@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..masks import merge_masks
-from . import backends, triton_attention
+from . import backends, flash_attention
 from .autocast import apply_autocast
 from .checks import check_attention_args
 
@@ -64,7 +64,10 @@ def _reference_attention(
 
 backends.register("attention", "reference", _reference_attention, backends.no_refusals)
 backends.register("attention", "torch", _torch_attention, _torch_refusals)
-backends.register("attention", "triton", triton_attention.run, triton_attention.refusals)
+backends.register(
+    "attention", "triton", flash_attention.run_triton, flash_attention.triton_refusals
+)
+backends.register("attention", "cuda", flash_attention.run_cuda, flash_attention.cuda_refusals)
 
 
 def attention(

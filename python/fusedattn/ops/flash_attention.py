@@ -1,19 +1,30 @@
-"""Triton attention launchers as torch.library custom ops (fake impls + autograd), so
-torch.compile(fullgraph=True) sees one opaque op each way. Signatures say Optional[...]:
-torch.library reads typing.Optional on every torch we support.
+"""The flash attention of both kernel backends (Triton, CUDA C++) as torch.library custom ops
+with fake implementations and autograd, so torch.compile(fullgraph=True) sees one opaque op
+each way. One op per direction serves both backends (`backend` is "triton" or "cuda"): the
+output layout, the autograd glue and the float-mask gradient exist once. Signatures say
+Optional[...]: torch.library reads typing.Optional on every torch we support.
 """
 
+import functools
 import math
 from typing import Optional
 
 import torch
 
-from .rowwise import KERNEL_DTYPES, kernels, new_output, new_output_like
+from .rowwise import (
+    KERNEL_DTYPES,
+    extension,
+    extension_op_refusals,
+    kernels,
+    new_output,
+    new_output_like,
+)
 
 MAX_HEAD_DIM = 256
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def refusals(*, q, k, v, **_inputs) -> list[str]:
+def triton_refusals(*, q, k, v, **_inputs) -> list[str]:
     """Why the Triton attention cannot take these inputs ([] = it can)."""
     reasons = []
     if q.dtype not in KERNEL_DTYPES:
@@ -23,8 +34,63 @@ def refusals(*, q, k, v, **_inputs) -> list[str]:
     return reasons
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_refusals(*, q, k, v, **_inputs) -> list[str]:
+    """Why the CUDA C++ attention cannot take these inputs ([] = it can). fp32 is refused
+    (tensor cores take fp16/bf16; auto then routes fp32 to torch or Triton)."""
+    reasons = extension_op_refusals("attention")
+    if q.dtype not in CUDA_DTYPES:
+        reasons.append(f"the CUDA attention takes float16 and bfloat16, got {q.dtype}")
+    D, Dv = q.shape[-1], v.shape[-1]
+    if max(D, Dv) > MAX_HEAD_DIM:
+        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={Dv}")
+    if D % 8 or Dv % 8:
+        reasons.append(f"the CUDA attention needs head dims that are multiples of 8 (16-byte "
+                       f"loads), got D={D}, Dv={Dv}")  # fmt: skip
+    if q.is_cuda and _capability(q.device.index or 0) < (8, 0):
+        reasons.append("the CUDA attention needs compute capability 8.0 or newer")
+    return reasons
+
+
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _cuda_aligned(t: torch.Tensor) -> bool:
+    """The CUDA kernels copy 16 bytes at a time: unit last stride, 16-byte aligned base and
+    row/head/batch strides (dims of size 1 are never stepped over)."""
+    if t.numel() == 0:
+        return True
+    strides_ok = all(
+        s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1], strict=True) if n > 1
+    )
+    return t.stride(-1) == 1 and strides_ok and t.data_ptr() % 16 == 0
+
+
+def _kernel_layout(backend: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Views the kernels read as they are; a copy only where they cannot (a non-unit last
+    stride; for CUDA, strides or a base that break 16-byte alignment)."""
+    if backend == "cuda":
+        return [t if _cuda_aligned(t) else t.contiguous() for t in tensors]
+    return [_unit_last_stride(t) for t in tensors]
+
+
+def _cuda_masks(q, k, attn_mask, key_padding_mask):
+    """(attn_mask, key_padding_mask) as the CUDA kernels read them: the mask as a bool or fp32
+    (B, H, Tq, Tk) broadcast view (a float mask is converted at its own, unexpanded size), the
+    padding mask contiguous."""
+    B, H, Tq, _ = q.shape
+    mask = attn_mask
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            mask = mask.float()
+        mask = mask.expand(B, H, Tq, k.shape[2])
+    kpm = None if key_padding_mask is None else key_padding_mask.contiguous()
+    return mask, kpm
 
 
 def _empty_out(q: torch.Tensor, Dv: int) -> torch.Tensor:
@@ -74,16 +140,23 @@ def attention_fwd(
     scale: float,
     dropout_p: float,
     seed: Optional[torch.Tensor],
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32). With dropout_p > 0, `seed` (an int64
     tensor on q's device) seeds the Philox stream the backward regenerates."""
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = _kernel_layout(backend, q, k, v)
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = _empty_out(q, Dv)
     lse = new_output((B, H, Tq), torch.float32, q.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
+    if out.numel() == 0 or Tk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    if backend == "cuda":
+        extension().attention_fwd(
+            q, k, v, out, lse, *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal,
+            scale, dropout_p, seed,
+        )  # fmt: skip
+        return out, lse
     K, cfg = _config(q, v)
     mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
     K.attention_fwd[(B * H, -(-Tq // cfg.block_m))](
@@ -98,7 +171,7 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
     B, H, Tq, _ = q.shape
     return _empty_out(q, v.shape[-1]), q.new_empty(B, H, Tq, dtype=torch.float32)
 
@@ -118,10 +191,11 @@ def attention_bwd(
     dropout_p: float,
     seed: Optional[torch.Tensor],
     mask_grad: bool,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, dS): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the scores (the
     float mask's gradient before its broadcast is summed), empty unless mask_grad."""
-    q, k, v, out, do = (_unit_last_stride(t) for t in (q, k, v, out, do))
+    q, k, v, out, do = _kernel_layout(backend, q, k, v, out, do)
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
@@ -129,6 +203,13 @@ def attention_bwd(
     dmask = torch.zeros((B, H, Tq, Tk) if mask_grad else (0,), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask
+    if backend == "cuda":
+        delta = new_output((B, H, Tq), torch.float32, q.device)
+        extension().attention_bwd(
+            do, q, k, v, out, lse, dq, dk, dv, delta, dmask if mask_grad else None,
+            *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal, scale, dropout_p, seed,
+        )  # fmt: skip
+        return dq, dk, dv, dmask
     K, cfg = _config(q, v)
     mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
     delta = new_output((B, H, Tq), torch.float32, q.device)
@@ -157,7 +238,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-      mask_grad):  # fmt: skip
+      mask_grad, backend):  # fmt: skip
     B, H, Tq, _ = q.shape
     shape = (B, H, Tq, k.shape[2]) if mask_grad else (0,)
     return (
@@ -169,10 +250,10 @@ def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, drop
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed = inputs
+    q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
-    ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
+    ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
     ctx.mark_non_differentiable(lse)
 
 
@@ -181,22 +262,29 @@ def _backward(ctx, dout, _dlse):
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     dq, dk, dv, dscores = torch.ops.fusedattn.attention_bwd(
         dout, q, k, v, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale,
-        ctx.dropout_p, seed, mask_grad,
+        ctx.dropout_p, seed, mask_grad, ctx.backend,
     )  # fmt: skip
     dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
-    return dq, dk, dv, dmask, None, None, None, None, None
+    return dq, dk, dv, dmask, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse):
-    """The `triton` backend of fusedattn.attention."""
+def run(
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse,
+    *, backend,
+):  # fmt: skip
+    """The `triton` and `cuda` backends of fusedattn.attention."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     seed = None
     if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
     out, lse = torch.ops.fusedattn.attention_fwd(
-        q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed
+        q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend
     )
     return (out, lse) if return_lse else out
+
+
+run_triton = functools.partial(run, backend="triton")
+run_cuda = functools.partial(run, backend="cuda")

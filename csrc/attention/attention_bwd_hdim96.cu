@@ -1,0 +1,7 @@
+// One head dim per translation unit: the backward kernels build in parallel.
+#include "attention/attention_launch.cuh"
+
+namespace fusedattn {
+template void run_attention_backward<__half, 96>(const AttentionParams&, cudaStream_t);
+template void run_attention_backward<__nv_bfloat16, 96>(const AttentionParams&, cudaStream_t);
+}  // namespace fusedattn

@@ -1,0 +1,306 @@
+// Flash attention backward, deterministic (no atomics): delta = rowsum(dO * O), then dQ by
+// query block and dK/dV by key block, each recomputing P = exp(S - lse) from the saved lse.
+// A kv head's dK/dV sums its GQA group's q heads in a fixed order inside one block.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "attention/attention.h"
+#include "attention/masking.cuh"
+#include "attention/warp_mma.cuh"
+#include "common/dtype.cuh"
+
+namespace fusedattn {
+namespace attn {
+
+constexpr int kDeltaRowsPerBlock = 8;  // one warp per row
+
+// delta[bh, q] = sum_d dO * O in fp32; one warp per row, 8 elements (16 bytes) per lane.
+template <typename T>
+__global__ void __launch_bounds__(kDeltaRowsPerBlock* kWarpSize)
+    attention_bwd_delta_kernel(const AttentionParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t row =
+      static_cast<int64_t>(blockIdx.x) * kDeltaRowsPerBlock + threadIdx.x / kWarpSize;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
+  if (row >= rows) return;
+  const int64_t bh = row / p.seqlen_q, q = row % p.seqlen_q;
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const T* o = static_cast<const T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
+               q * p.out_stride[2];
+  const T* d = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1] +
+               q * p.dout_stride[2];
+  float acc = 0.f;
+  for (int col = lane * 8; col < p.head_dim_v; col += kWarpSize * 8) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + col);
+    const uint4 dv = *reinterpret_cast<const uint4*>(d + col);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc += to_float(oe[i]) * to_float(de[i]);
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  }
+  if (lane == 0) p.delta[row] = acc;
+}
+
+// lse in the log2 domain, +inf for a row that saw no key (its probabilities become 0).
+__device__ __forceinline__ float lse_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+template <typename T, typename Traits, bool kGeneral>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    attention_bwd_dq_kernel(const AttentionParams p, const int num_m_blocks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kPitch = Traits::kPitch, kNTiles = kBlockN / 8, kDTiles = kD / 8;
+  constexpr int kThreads = Traits::kNThreads;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kBlockM * kPitch;
+  T* sK0 = sdO + kBlockM * kPitch;  // [2][kBlockN][kPitch]
+  T* sV0 = sK0 + 2 * kBlockN * kPitch;
+
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t bh = blockIdx.x / num_m_blocks;
+  int m_block = blockIdx.x % num_m_blocks;
+  if (p.is_causal) m_block = num_m_blocks - 1 - m_block;  // longest rows first
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const int64_t hk = h / (p.heads / p.kv_heads);
+  const int m0 = m_block * kBlockM;
+  const int Tq = p.seqlen_q, Tk = p.seqlen_k;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+
+  const int n_end = p.is_causal ? min(Tk, m0 + kBlockM) : Tk;
+  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
+  const bool dropout = kGeneral && p.dropout_p > 0.f;
+  const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
+  const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const float scale_log2 = p.scale * kLog2e;
+
+  load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_stride[2], m0, Tq, p.head_dim);
+  load_tile_async<kBlockM, kD, kThreads>(sdO, dout, p.dout_stride[2], m0, Tq, p.head_dim_v);
+  if (n_blocks > 0) {
+    load_tile_async<kBlockN, kD, kThreads>(sK0, k, p.k_stride[2], 0, Tk, p.head_dim);
+    load_tile_async<kBlockN, kD, kThreads>(sV0, v, p.v_stride[2], 0, Tk, p.head_dim_v);
+  }
+  cp_async_commit();
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = m0 + warp * 16 + g + 8 * half;
+    lse2[half] = row < Tq ? lse_log2(p.lse[bh * Tq + row]) : INFINITY;
+    delta[half] = row < Tq ? p.delta[bh * Tq + row] : 0.f;
+  }
+
+  float acc_dq[1][kDTiles][4];
+  zero(acc_dq);
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int n0 = nb * kBlockN;
+    T* sK = sK0 + (nb & 1) * kBlockN * kPitch;
+    T* sV = sV0 + (nb & 1) * kBlockN * kPitch;
+    if (nb + 1 < n_blocks) {  // prefetch the next tile into the other buffer
+      T* nK = sK0 + ((nb + 1) & 1) * kBlockN * kPitch;
+      T* nV = sV0 + ((nb + 1) & 1) * kBlockN * kPitch;
+      load_tile_async<kBlockN, kD, kThreads>(nK, k, p.k_stride[2], n0 + kBlockN, Tk, p.head_dim);
+      load_tile_async<kBlockN, kD, kThreads>(nV, v, p.v_stride[2], n0 + kBlockN, Tk, p.head_dim_v);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    float acc_s[1][kNTiles][4], acc_dp[1][kNTiles][4];
+    zero(acc_s);
+    zero(acc_dp);
+    gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_s, sQ + warp * 16 * kPitch, sK, lane);
+    gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_dp, sdO + warp * 16 * kPitch, sV, lane);
+
+    const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
+                             (p.is_causal && n0 + kBlockN - 1 > m0);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = m0 + warp * 16 + g + 8 * (i >> 1);
+        const int col = n0 + nt * 8 + 2 * t + (i & 1);
+        float s2 = acc_s[0][nt][i] * scale_log2;
+        if (tile_masked) s2 = masked_score<kGeneral>(p, b, h, row, col, s2);
+        const float pr = ex2(s2 - lse2[i >> 1]);
+        float dp = acc_dp[0][nt][i];
+        if (dropout) dp *= dropout_factor(seed, bh, row, col, Tq, Tk, p.dropout_p, inv_keep);
+        const float ds = pr * (dp - delta[i >> 1]);
+        acc_s[0][nt][i] = ds;
+        if (kGeneral && p.dscores != nullptr && row < Tq && col < Tk) {
+          p.dscores[(bh * Tq + row) * static_cast<int64_t>(Tk) + col] = ds;
+        }
+      }
+    }
+    uint32_t a_ds[1][kNTiles / 2][4];
+    to_a_fragments<T, 1, kNTiles>(a_ds, acc_s);
+    gemm_regs_smem<T, 1, kNTiles / 2, kDTiles, kPitch>(acc_dq, a_ds, sK, lane);
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+  }
+
+  cp_async_wait<0>();
+  T* dq = static_cast<T*>(p.dq) + b * p.dq_stride[0] + h * p.dq_stride[1];
+  store_warp_rows<T, 1, kDTiles, kPitch>(acc_dq, p.scale, sQ + warp * 16 * kPitch, dq,
+                                         p.dq_stride[2], m0 + warp * 16, Tq, p.head_dim, lane);
+#else
+  __trap();
+#endif
+}
+
+// kPass: 0 computes dK and dV, 1 only dV, 2 only dK (see BackwardKVTraits::kSplitPasses).
+template <typename T, typename Traits, int kPass, bool kGeneral>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    attention_bwd_dkdv_kernel(const AttentionParams p, const int num_n_blocks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kPitch = Traits::kPitch, kQTiles = kBlockM / 8, kDTiles = kD / 8;
+  constexpr int kThreads = Traits::kNThreads;
+  constexpr bool kDoDV = kPass != 2, kDoDK = kPass != 1;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * kPitch;
+  T* sQ0 = sV + kBlockN * kPitch;                                        // [2][kBlockM][kPitch]
+  T* sdO0 = sQ0 + 2 * kBlockM * kPitch;                                  // [2][kBlockM][kPitch]
+  float* sLse0 = reinterpret_cast<float*>(sdO0 + 2 * kBlockM * kPitch);  // [2][kBlockM]
+  float* sDelta0 = sLse0 + 2 * kBlockM;                                  // [2][kBlockM]
+
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t bhk = blockIdx.x / num_n_blocks;
+  const int n0 = (blockIdx.x % num_n_blocks) * kBlockN;
+  const int64_t b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
+  const int group = p.heads / p.kv_heads;
+  const int Tq = p.seqlen_q, Tk = p.seqlen_k;
+
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  load_tile_async<kBlockN, kD, kThreads>(sK, k, p.k_stride[2], n0, Tk, p.head_dim);
+  load_tile_async<kBlockN, kD, kThreads>(sV, v, p.v_stride[2], n0, Tk, p.head_dim_v);
+  cp_async_commit();
+
+  // Causal: query blocks wholly above this key block's first key see none of it.
+  const int m_begin = p.is_causal ? n0 / kBlockM : 0;
+  const int num_m = (Tq + kBlockM - 1) / kBlockM;
+  const int tiles_per_head = max(0, num_m - m_begin);
+  const int tiles = group * tiles_per_head;
+  const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
+  const bool dropout = kGeneral && p.dropout_p > 0.f;
+  const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
+  const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const float scale_log2 = p.scale * kLog2e;
+
+  // Query tile `tile` = (q head of the group, query block), loaded into buffer `buf`.
+  auto prefetch = [&](int tile, int buf) {
+    const int64_t h = hk * group + tile / tiles_per_head;
+    const int m0 = (m_begin + tile % tiles_per_head) * kBlockM;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
+    load_tile_async<kBlockM, kD, kThreads>(sQ0 + buf * kBlockM * kPitch, q, p.q_stride[2], m0, Tq,
+                                           p.head_dim);
+    load_tile_async<kBlockM, kD, kThreads>(sdO0 + buf * kBlockM * kPitch, dout, p.dout_stride[2],
+                                           m0, Tq, p.head_dim_v);
+    const int64_t stats = (b * p.heads + h) * Tq;
+    for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
+      const int row = m0 + i;
+      sLse0[buf * kBlockM + i] = row < Tq ? lse_log2(p.lse[stats + row]) : INFINITY;
+      sDelta0[buf * kBlockM + i] = row < Tq ? p.delta[stats + row] : 0.f;
+    }
+    cp_async_commit();
+  };
+  if (tiles > 0) prefetch(0, 0);
+
+  float acc_dk[1][kDTiles][4], acc_dv[1][kDTiles][4];
+  zero(acc_dk);
+  zero(acc_dv);
+  const int key_row0 = n0 + warp * 16;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int buf = tile & 1;
+    if (tile + 1 < tiles) {
+      prefetch(tile + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // this tile's Q, dO, lse, delta (and K, V) are visible to all warps
+    const int64_t h = hk * group + tile / tiles_per_head;
+    const int m0 = (m_begin + tile % tiles_per_head) * kBlockM;
+    const T* sQ = sQ0 + buf * kBlockM * kPitch;
+    const T* sdO = sdO0 + buf * kBlockM * kPitch;
+    const float* sLse = sLse0 + buf * kBlockM;
+    const float* sDelta = sDelta0 + buf * kBlockM;
+
+    // Transposed scores: rows are this warp's 16 keys, columns the tile's queries.
+    float acc_st[1][kQTiles][4], acc_dpt[1][kQTiles][4];
+    zero(acc_st);
+    gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_st, sK + warp * 16 * kPitch, sQ, lane);
+    if (kDoDK) {
+      zero(acc_dpt);
+      gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_dpt, sV + warp * 16 * kPitch, sdO, lane);
+    }
+    const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
+                             (p.is_causal && n0 + kBlockN - 1 > m0);
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_row0 + g + 8 * (i >> 1);
+        const int qi = nt * 8 + 2 * t + (i & 1);
+        float s2 = acc_st[0][nt][i] * scale_log2;
+        if (tile_masked) s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, s2);
+        const float pr = ex2(s2 - sLse[qi]);
+        const float keep = dropout ? dropout_factor(seed, b * p.heads + h, m0 + qi, key, Tq, Tk,
+                                                    p.dropout_p, inv_keep)
+                                   : 1.f;
+        acc_st[0][nt][i] = pr * keep;  // the probabilities the forward multiplied V by
+        if (kDoDK) acc_dpt[0][nt][i] = pr * (acc_dpt[0][nt][i] * keep - sDelta[qi]);
+      }
+    }
+    uint32_t a[1][kQTiles / 2][4];
+    if (kDoDV) {
+      to_a_fragments<T, 1, kQTiles>(a, acc_st);
+      gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dv, a, sdO, lane);
+    }
+    if (kDoDK) {
+      to_a_fragments<T, 1, kQTiles>(a, acc_dpt);
+      gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dk, a, sQ, lane);
+    }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+  }
+
+  cp_async_wait<0>();
+  // Stage through this warp's own K and V rows (no other warp reads them).
+  if (kDoDK) {
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_stride[0] + hk * p.dk_stride[1];
+    store_warp_rows<T, 1, kDTiles, kPitch>(acc_dk, p.scale, sK + warp * 16 * kPitch, dk,
+                                           p.dk_stride[2], key_row0, Tk, p.head_dim, lane);
+  }
+  if (kDoDV) {
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_stride[0] + hk * p.dv_stride[1];
+    store_warp_rows<T, 1, kDTiles, kPitch>(acc_dv, 1.f, sV + warp * 16 * kPitch, dv, p.dv_stride[2],
+                                           key_row0, Tk, p.head_dim_v, lane);
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace attn
+}  // namespace fusedattn

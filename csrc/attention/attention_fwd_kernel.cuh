@@ -1,0 +1,188 @@
+// Flash attention forward: one block per (batch*head, query block), online softmax over key
+// tiles in registers, O(T) memory; writes out (B, H, Tq, Dv) and lse (B, H, Tq).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "attention/attention.h"
+#include "attention/masking.cuh"
+#include "attention/warp_mma.cuh"
+
+namespace fusedattn {
+namespace attn {
+
+template <typename T, typename Traits, bool kGeneral>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    attention_fwd_kernel(const AttentionParams p, const int num_m_blocks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kMTiles = Traits::kMTiles, kPitch = Traits::kPitch;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kD / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockM * kPitch;
+  T* sV = sK + kBlockN * kPitch;
+
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t bh = blockIdx.x / num_m_blocks;
+  int m_block = blockIdx.x % num_m_blocks;
+  // Causal: the longest rows first, so the short ones fill the last wave.
+  if (p.is_causal) m_block = num_m_blocks - 1 - m_block;
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const int64_t hk = h / (p.heads / p.kv_heads);
+  const int m0 = m_block * kBlockM;
+  const int Tq = p.seqlen_q, Tk = p.seqlen_k;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+
+  // Causal: key tiles right of this block's last query are never visited.
+  const int n_end = p.is_causal ? min(Tk, m0 + kBlockM) : Tk;
+  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
+  const bool dropout = kGeneral && p.dropout_p > 0.f;
+  const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
+  const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const float scale_log2 = p.scale * kLog2e;
+
+  load_tile_async<kBlockM, kD, Traits::kNThreads>(sQ, q, p.q_stride[2], m0, Tq, p.head_dim);
+  if (n_blocks > 0) {
+    load_tile_async<kBlockN, kD, Traits::kNThreads>(sK, k, p.k_stride[2], 0, Tk, p.head_dim);
+  }
+  cp_async_commit();
+
+  float acc_o[kMTiles][kDTiles][4];
+  zero(acc_o);
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const int warp_row0 = warp * Traits::kWarpRows;  // within the block
+  const int g = lane >> 2, t = lane & 3;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int n0 = nb * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // Q and K tile nb landed; every warp is done with V tile nb-1
+    load_tile_async<kBlockN, kD, Traits::kNThreads>(sV, v, p.v_stride[2], n0, Tk, p.head_dim_v);
+    cp_async_commit();
+
+    float acc_s[kMTiles][kNTiles][4];
+    zero(acc_s);
+    gemm_smem_nt<T, kMTiles, kNTiles, kD, kPitch>(acc_s, sQ + warp_row0 * kPitch, sK, lane);
+
+    const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
+                             (p.is_causal && n0 + kBlockN - 1 > m0);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float s2 = acc_s[mt][nt][i] * scale_log2;
+          if (tile_masked) {
+            const int row = m0 + warp_row0 + mt * 16 + g + 8 * (i >> 1);
+            const int col = n0 + nt * 8 + 2 * t + (i & 1);
+            s2 = masked_score<kGeneral>(p, b, h, row, col, s2);
+          }
+          acc_s[mt][nt][i] = s2;
+        }
+      }
+    }
+
+    // Online softmax: rescale the running output by 2^(old max - new max).
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = row_max[mt][half];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
+        }
+        mx = quad_max(mx);
+        const float m_safe = mx == -INFINITY ? 0.f : mx;  // a row that has seen no key yet
+        const float alpha = ex2(row_max[mt][half] - m_safe);
+        row_max[mt][half] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float pr = ex2(acc_s[mt][nt][2 * half + j] - m_safe);
+            acc_s[mt][nt][2 * half + j] = pr;
+            sum += pr;
+          }
+        }
+        row_sum[mt][half] = row_sum[mt][half] * alpha + sum;  // per-lane partial sums
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          acc_o[mt][dt][2 * half] *= alpha;
+          acc_o[mt][dt][2 * half + 1] *= alpha;
+        }
+      }
+    }
+
+    if (dropout) {  // after the row sums: the normaliser keeps the undropped mass
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = m0 + warp_row0 + mt * 16 + g + 8 * (i >> 1);
+            const int col = n0 + nt * 8 + 2 * t + (i & 1);
+            acc_s[mt][nt][i] *= dropout_factor(seed, bh, row, col, Tq, Tk, p.dropout_p, inv_keep);
+          }
+    }
+
+    uint32_t a_p[kMTiles][kNTiles / 2][4];
+    to_a_fragments<T, kMTiles, kNTiles>(a_p, acc_s);
+
+    cp_async_wait<0>();
+    __syncthreads();  // V tile nb landed; every warp is done with K tile nb
+    if (nb + 1 < n_blocks) {
+      load_tile_async<kBlockN, kD, Traits::kNThreads>(sK, k, p.k_stride[2], n0 + kBlockN, Tk,
+                                                      p.head_dim);
+      cp_async_commit();
+    }
+    gemm_regs_smem<T, kMTiles, kNTiles / 2, kDTiles, kPitch>(acc_o, a_p, sV, lane);
+  }
+
+  // Normalise, write lse, and stage O through this warp's own Q rows for 16-byte stores.
+  cp_async_wait<0>();  // with no key tile at all, the Q copy may still be in flight
+  float* lse = p.lse + bh * Tq;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = quad_sum(row_sum[mt][half]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[mt][dt][2 * half] *= inv;
+        acc_o[mt][dt][2 * half + 1] *= inv;
+      }
+      const int row = m0 + warp_row0 + mt * 16 + g + 8 * half;
+      if (t == 0 && row < Tq) {
+        lse[row] = l > 0.f ? (row_max[mt][half] + log2f(l)) * kLn2 : -INFINITY;
+      }
+    }
+  }
+  T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1];
+  store_warp_rows<T, kMTiles, kDTiles, kPitch>(acc_o, 1.f, sQ + warp_row0 * kPitch, out,
+                                               p.out_stride[2], m0 + warp_row0, Tq, p.head_dim_v,
+                                               lane);
+#else
+  __trap();  // the launcher refuses devices below sm_80
+#endif
+}
+
+}  // namespace attn
+}  // namespace fusedattn

@@ -1,0 +1,142 @@
+// Launch policy of the attention kernels: tile shapes per head dim, grid shapes, shared-memory
+// opt-in, and a launch check after every kernel. Included by the per-head-dim instantiation
+// files (attention_{fwd,bwd}_hdim*.cu), so each head dim compiles in its own translation unit.
+//
+// Tiles (a starting point from the register budget, 255 per thread, and shared memory; the
+// H200 measurements in benchmarks/results/ are what to change them by):
+//   forward   D <= 128: 128 queries x 64 keys, 4 warps of 2 m-tiles (each K/V fragment read
+//             from shared memory feeds two MMAs: shared-memory bandwidth, 128 B/clk/SM, is the
+//             limit of mma.sync flash attention); O takes D/2 fp32 registers per thread.
+//             D = 256: 128 x 64 with 8 warps of 1 m-tile (O is already 128 registers).
+//   backward  dK/dV: 64 keys (4 warps x 16) x 64-query tiles; D = 256: 32-query tiles and two
+//             passes (dV, then dK), since dK + dV alone would take 256 registers.
+//             dQ: 64 queries (4 warps x 16) x 64-key tiles (32 at D = 256).
+// Shared memory at D = 256 is 135 KB per block: within sm_80's 163 KB and sm_90's 227 KB.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "attention/attention.h"
+#include "attention/attention_bwd_kernel.cuh"
+#include "attention/attention_fwd_kernel.cuh"
+#include "attention/kernel_traits.h"
+#include "common/cuda_check.h"
+#include "common/static_switch.h"
+
+namespace fusedattn {
+namespace attn {
+
+// kGeneral: the variant that reads user masks and applies dropout (more registers live).
+template <int kHeadDim, bool kGeneral>
+struct Policy {
+  using Forward = ForwardTraits<kHeadDim, 128, kGeneral ? 32 : 64, 4>;
+  using BackwardKV = BackwardKVTraits<kHeadDim, 64, 4, false>;
+  using BackwardQ = BackwardQTraits<kHeadDim, 64, 4>;
+};
+template <bool kGeneral>
+struct Policy<256, kGeneral> {
+  using Forward = ForwardTraits<256, 128, kGeneral ? 32 : 64, 8>;
+  using BackwardKV = BackwardKVTraits<256, 32, 4, true>;
+  using BackwardQ = BackwardQTraits<256, 32, 4>;
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks ride grid axis x (2^31 - 1): B*H*blocks, so neither B*H nor Tq is capped at 65535.
+inline unsigned grid_size(int64_t blocks, const char* kernel) {
+  if (blocks > 0x7fffffff) {
+    throw std::invalid_argument(std::string("attention: ") + kernel + " needs " +
+                                std::to_string(blocks) + " blocks, more than a grid holds");
+  }
+  return static_cast<unsigned>(blocks);
+}
+
+// Kernels past 48 KB of dynamic shared memory must opt in; a device with less than the
+// kernel needs gets a clear error rather than a failed launch.
+template <typename Kernel>
+void set_smem(Kernel kernel, int bytes) {
+  int device = 0, optin = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  FUSEDATTN_CUDA_CHECK(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (bytes > optin) {
+    throw std::invalid_argument("attention: this head dim needs " + std::to_string(bytes) +
+                                " bytes of shared memory per block; the device allows " +
+                                std::to_string(optin));
+  }
+  FUSEDATTN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+}  // namespace attn
+
+template <typename T, int kHeadDim, bool kGeneral>
+void launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = typename attn::Policy<kHeadDim, kGeneral>::Forward;
+  const int num_m_blocks = static_cast<int>(attn::ceil_div(p.seqlen_q, Traits::kBlockM));
+  const unsigned grid =
+      attn::grid_size(static_cast<int64_t>(p.batch) * p.heads * num_m_blocks, "the forward kernel");
+  const int smem = Traits::kSmemElems * static_cast<int>(sizeof(T));
+  auto kernel = attn::attention_fwd_kernel<T, Traits, kGeneral>;
+  attn::set_smem(kernel, smem);
+  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p, num_m_blocks);
+  FUSEDATTN_LAUNCH_CHECK();
+}
+
+template <typename T, int kHeadDim>
+void run_attention_forward(const AttentionParams& p, cudaStream_t stream) {
+  if (p.seqlen_q == 0) return;
+  BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,
+              [&] { launch_forward<T, kHeadDim, kGeneral>(p, stream); });
+}
+
+template <typename T, typename Traits, int kPass, bool kGeneral>
+void launch_dkdv(const AttentionParams& p, cudaStream_t stream) {
+  const int num_n_blocks = static_cast<int>(attn::ceil_div(p.seqlen_k, Traits::kBlockN));
+  const unsigned grid = attn::grid_size(static_cast<int64_t>(p.batch) * p.kv_heads * num_n_blocks,
+                                        "the dK/dV kernel");
+  auto kernel = attn::attention_bwd_dkdv_kernel<T, Traits, kPass, kGeneral>;
+  attn::set_smem(kernel, Traits::kSmemBytes);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, num_n_blocks);
+  FUSEDATTN_LAUNCH_CHECK();
+}
+
+template <typename T, int kHeadDim, bool kGeneral>
+void launch_backward(const AttentionParams& p, cudaStream_t stream) {
+  using Policy = attn::Policy<kHeadDim, kGeneral>;
+  using KV = typename Policy::BackwardKV;
+  using Q = typename Policy::BackwardQ;
+
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
+  attn::attention_bwd_delta_kernel<T>
+      <<<attn::grid_size(attn::ceil_div(rows, attn::kDeltaRowsPerBlock), "the delta kernel"),
+         attn::kDeltaRowsPerBlock * attn::kWarpSize, 0, stream>>>(p);
+  FUSEDATTN_LAUNCH_CHECK();
+
+  const int num_m_blocks = static_cast<int>(attn::ceil_div(p.seqlen_q, Q::kBlockM));
+  const unsigned grid_q =
+      attn::grid_size(static_cast<int64_t>(p.batch) * p.heads * num_m_blocks, "the dQ kernel");
+  const int smem_q = Q::kSmemElems * static_cast<int>(sizeof(T));
+  auto dq_kernel = attn::attention_bwd_dq_kernel<T, Q, kGeneral>;
+  attn::set_smem(dq_kernel, smem_q);
+  dq_kernel<<<grid_q, Q::kNThreads, smem_q, stream>>>(p, num_m_blocks);
+  FUSEDATTN_LAUNCH_CHECK();
+
+  if constexpr (KV::kSplitPasses) {
+    launch_dkdv<T, KV, 1, kGeneral>(p, stream);
+    launch_dkdv<T, KV, 2, kGeneral>(p, stream);
+  } else {
+    launch_dkdv<T, KV, 0, kGeneral>(p, stream);
+  }
+}
+
+template <typename T, int kHeadDim>
+void run_attention_backward(const AttentionParams& p, cudaStream_t stream) {
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the caller returns zero gradients
+  BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,
+              [&] { launch_backward<T, kHeadDim, kGeneral>(p, stream); });
+}
+
+}  // namespace fusedattn

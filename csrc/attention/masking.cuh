@@ -1,0 +1,79 @@
+// Score masking and dropout of the attention kernels, element by element on C fragments.
+// Only tiles that need it pay for it: the kernels call these when a tile crosses a sequence
+// end or the causal diagonal, or when a mask / dropout is present.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/attention.h"
+#include "attention/warp_mma.cuh"
+
+namespace fusedattn {
+namespace attn {
+
+// Scaled score in the log2 domain (s2 = q.k * scale * log2 e) of query `q`, key `k` of head
+// (b, h), with every mask applied: -inf where the key is hidden, plus the float mask (times
+// log2 e). kUserMasks: the key padding and attn_mask reads (the kernels' general variant);
+// the sequence ends and the causal diagonal cost two compares and are always checked.
+template <bool kUserMasks>
+__device__ __forceinline__ float masked_score(const AttentionParams& p, int64_t b, int64_t h, int q,
+                                              int k, float s2) {
+  if (q >= p.seqlen_q || k >= p.seqlen_k || (p.is_causal && k > q)) return -INFINITY;
+  if (!kUserMasks) return s2;
+  if (p.key_padding && p.key_padding[b * p.key_padding_stride + k]) return -INFINITY;
+  if (p.mask) {
+    const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] +
+                        static_cast<int64_t>(q) * p.mask_stride[2] +
+                        static_cast<int64_t>(k) * p.mask_stride[3];
+    if (p.mask_is_bool) {
+      if (!static_cast<const uint8_t*>(p.mask)[off]) return -INFINITY;
+    } else {
+      s2 += static_cast<const float*>(p.mask)[off] * kLog2e;
+    }
+  }
+  return s2;
+}
+
+// Whether a kernel needs its general variant: a user mask or dropout.
+inline bool needs_general_variant(const AttentionParams& p) {
+  return p.mask != nullptr || p.key_padding != nullptr || p.dropout_p > 0.f;
+}
+
+// Philox-4x32-10, first output word, for counter (offset_lo, offset_hi, 0, 0) and key (seed_lo,
+// seed_hi): the same stream as triton.language.rand(seed, offset) with a 64-bit offset, so
+// the CUDA and Triton backends drop the same elements for the same seed.
+__device__ __forceinline__ uint32_t philox_first_word(uint64_t seed, uint64_t offset) {
+  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32);
+  uint32_t c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t old_c0 = c0, old_c2 = c2;
+    c0 = __umulhi(0xCD9E8D57u, old_c2) ^ c1 ^ k0;
+    c2 = __umulhi(0xD2511F53u, old_c0) ^ c3 ^ k1;
+    c1 = 0xCD9E8D57u * old_c2;
+    c3 = 0xD2511F53u * old_c0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Uniform in [0, 1) from a random word, as Triton converts it (int32, folded to >= 0).
+__device__ __forceinline__ float uniform_from_word(uint32_t word) {
+  int32_t x = static_cast<int32_t>(word);
+  if (x < 0) x = ~x;  // -x - 1 without overflow
+  return __int2float_rn(x) * 4.6566127342e-10f;
+}
+
+// 1 / (1 - p) where the element (bh, q, k) is kept, 0 where it is dropped.
+__device__ __forceinline__ float dropout_factor(uint64_t seed, int64_t bh, int q, int k,
+                                                int seqlen_q, int seqlen_k, float p,
+                                                float inv_keep) {
+  const int64_t offset = (bh * seqlen_q + q) * static_cast<int64_t>(seqlen_k) + k;
+  const float u = uniform_from_word(philox_first_word(seed, static_cast<uint64_t>(offset)));
+  return u >= p ? inv_keep : 0.f;
+}
+
+}  // namespace attn
+}  // namespace fusedattn

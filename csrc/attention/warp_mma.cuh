@@ -1,0 +1,239 @@
+// Warp-level building blocks of the attention kernels (sm_80 and later): cp.async copies into
+// shared memory, ldmatrix loads, mma.sync m16n8k16 on fp16/bf16 with fp32 accumulation, and
+// the warp GEMMs built from them.
+//
+// Fragment layouts of mma.m16n8k16 (PTX ISA), lane = 4 * g + t:
+//   A (16x16, row major), 4 regs of 2 elements: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
+//     a3 (g+8, 2t+8..);  B (16x8, "col": k contiguous per n), 2 regs: b0 (k 2t.., n g),
+//     b1 (k 2t+8.., n g);  C (16x8 fp32), 4 floats: c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..).
+// Two adjacent C tiles (16 x 16) hold exactly an A fragment's elements, which is how the
+// probabilities P go from the first GEMM's accumulators to the second GEMM's A operand
+// without shared memory.
+//
+// Shared-memory tiles are row-major with rows padded by 8 elements (16 bytes): the 8 row
+// addresses of one ldmatrix then fall into 8 different bank groups for every head dim we
+// instantiate (row pitch / 16 B = D/8 + 1 is odd), so loads are conflict-free without swizzle.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace fusedattn {
+namespace attn {
+
+constexpr int kWarpSize = 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows/columns out of range).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats -> one register of two 16-bit elements (the lower column in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// 2^x in one MUFU instruction (2 ulp); ex2(-inf) = +0, so masked scores vanish exactly.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Reductions over the 4 lanes (one quad) that share a row of a C fragment.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Copy rows [row0, row0 + kRows) x columns [0, kCols) of a row-major global tile into padded
+// shared memory with cp.async, 16 bytes per thread and step; rows >= row_end and columns >=
+// col_end (a multiple of 8) are zero-filled. Offsets are 64-bit.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride,
+                                                int row0, int row_end, int col_end) {
+  constexpr int kChunksPerRow = kCols / 8;
+  constexpr int kPitch = kCols + 8;
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const bool valid = row0 + r < row_end && col < col_end;
+    const T* src = valid ? gmem + static_cast<int64_t>(row0 + r) * row_stride + col : gmem;
+    cp_async_16(smem + r * kPitch + col, src, valid ? 16 : 0);
+  }
+}
+
+// acc[mt][nt] += A[rows of m-tile mt] * B^T[cols of n-tile nt] over kK: A (16*kMTiles x kK)
+// and B (8*kNTiles x kK) both row-major in padded shared memory (S = Q K^T, dP = dO V^T).
+template <typename T, int kMTiles, int kNTiles, int kK, int kPitch>
+__device__ __forceinline__ void gemm_smem_nt(float (&acc)[kMTiles][kNTiles][4], const T* sA,
+                                             const T* sB, int lane) {
+  static_assert(kNTiles % 2 == 0 && kK % 16 == 0, "tiles come in pairs of 8 columns");
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      ldmatrix_x4(a[mt], sA + (mt * 16 + (lane & 15)) * kPitch + ks * 16 + (lane >> 4) * 8);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sB + (nt * 8 + (lane & 7) + ((lane >> 4) << 3)) * kPitch + ks * 16 +
+                         ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16816<T>(acc[mt][nt], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][nt + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc[mt][nt] += A * B with A in registers (A fragments over kKSteps steps of 16) and B
+// (16*kKSteps x 8*kNTiles) row-major in padded shared memory: O += P V, dQ += dS K, ...
+template <typename T, int kMTiles, int kKSteps, int kNTiles, int kPitch>
+__device__ __forceinline__ void gemm_regs_smem(float (&acc)[kMTiles][kNTiles][4],
+                                               const uint32_t (&a)[kMTiles][kKSteps][4],
+                                               const T* sB, int lane) {
+  static_assert(kNTiles % 2 == 0, "tiles come in pairs of 8 columns");
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sB + (ks * 16 + (lane & 15)) * kPitch + nt * 8 + (lane >> 4) * 8);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16816<T>(acc[mt][nt], a[mt][ks], b[0], b[1]);
+        mma_16816<T>(acc[mt][nt + 1], a[mt][ks], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// C fragments (fp32, 16 x 8*kNTiles per m-tile) -> A fragments of T over kNTiles/2 k-steps.
+template <typename T, int kMTiles, int kNTiles>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&a)[kMTiles][kNTiles / 2][4],
+                                               const float (&c)[kMTiles][kNTiles][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int ks = 0; ks < kNTiles / 2; ++ks) {
+      a[mt][ks][0] = pack2<T>(c[mt][2 * ks][0], c[mt][2 * ks][1]);
+      a[mt][ks][1] = pack2<T>(c[mt][2 * ks][2], c[mt][2 * ks][3]);
+      a[mt][ks][2] = pack2<T>(c[mt][2 * ks + 1][0], c[mt][2 * ks + 1][1]);
+      a[mt][ks][3] = pack2<T>(c[mt][2 * ks + 1][2], c[mt][2 * ks + 1][3]);
+    }
+  }
+}
+
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void zero(float (&acc)[kMTiles][kNTiles][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+}
+
+// Write a warp's C fragments (times `scale`) as T into its padded shared rows, then copy rows
+// [row0, row_end) x columns [0, col_end) to global memory 16 bytes at a time. The shared rows
+// must belong to this warp alone (no block barrier is taken).
+template <typename T, int kMTiles, int kNTiles, int kPitch>
+__device__ __forceinline__ void store_warp_rows(const float (&acc)[kMTiles][kNTiles][4],
+                                                float scale, T* sRows, T* gmem, int64_t row_stride,
+                                                int row0, int row_end, int col_end, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      T* p = sRows + (mt * 16 + g) * kPitch + nt * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(p) = pack2<T>(acc[mt][nt][0] * scale, acc[mt][nt][1] * scale);
+      *reinterpret_cast<uint32_t*>(p + 8 * kPitch) =
+          pack2<T>(acc[mt][nt][2] * scale, acc[mt][nt][3] * scale);
+    }
+  }
+  __syncwarp();
+  constexpr int kChunksPerRow = kNTiles;  // 8 elements each
+#pragma unroll
+  for (int c = lane; c < kMTiles * 16 * kChunksPerRow; c += kWarpSize) {
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    if (row0 + r < row_end && col < col_end) {
+      *reinterpret_cast<uint4*>(gmem + static_cast<int64_t>(row0 + r) * row_stride + col) =
+          *reinterpret_cast<const uint4*>(sRows + r * kPitch + col);
+    }
+  }
+}
+
+}  // namespace attn
+}  // namespace fusedattn
