@@ -5,6 +5,7 @@
 # so the whole run stays inside one device call (600 s); a failing step does not stop the
 # others. GPU_CHECK_STEPS picks steps (default: all, in this order):
 #   build info cuda-attention bench-attention tests bench-rowwise
+# and, on request only, profile (per-kernel times and an ncu report of the CUDA attention).
 #
 #   bash scripts/gpu_check.sh OUT_DIR        (or: make gpu-check OUT=OUT_DIR)
 set -uo pipefail
@@ -20,7 +21,7 @@ status=0
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
-  [[ $steps == *" $name "* ]] || return 0
+  [[ $steps == *" ${name%%:*} "* ]] || return 0  # profile:ncu runs with "profile"
   echo "== $name (limit ${limit}s): $*"
   timeout "$limit" "$@"
   rc=$?
@@ -45,6 +46,15 @@ step info 20 $PYTHON -m fusedattn.info
 step cuda-attention 150 $PYTHON -m pytest -q -rs --maxfail=25 --tb=short tests/test_cuda_attention.py
 step bench-attention 150 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
   --out "$out_dir"
+if [[ $steps == *" profile "* ]]; then
+  step profile 60 $PYTHON scripts/profile_attention.py
+  step profile:causal 40 $PYTHON scripts/profile_attention.py --causal
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  step profile:ncu 120 "$ncu" --clock-control none -k 'regex:attention_(fwd|bwd_dq|bwd_dkdv)_kernel' \
+    -c 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    --log-file "$out_dir/ncu.txt" $PYTHON scripts/profile_attention.py --ncu
+fi
 step tests 240 $PYTHON -m pytest -q -rs --tb=short -m "gpu or kernels" tests \
   --ignore tests/test_cuda_attention.py
 step bench-rowwise 90 $PYTHON benchmarks/run_all.py --quick --no-plots \

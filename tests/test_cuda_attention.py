@@ -160,7 +160,7 @@ def test_lse_matches_the_reference():
     _, lse = cuda_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
     _, ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True,
                                  enable_gqa=True, return_lse=True)  # fmt: skip
-    torch.testing.assert_close(lse.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref.double(), rtol=1e-4, atol=1e-4)
 
 
 @gpu

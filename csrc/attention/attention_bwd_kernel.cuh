@@ -106,17 +106,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     delta[half] = row < Tq ? p.delta[bh * Tq + row] : 0.f;
   }
 
+  // With a float-mask gradient (dscores), delta is first summed exactly as rowsum(P * dP) over
+  // every key tile (a first pass) instead of rowsum(dO * O) with O rounded to its dtype: the
+  // mask's gradient is dS itself summed over its broadcast dims, and the rounded O cost it up to
+  // 6x the bf16 baseline's error (seen on the H200). The pass also rewrites delta for the dK/dV
+  // kernel that runs next. It doubles S and dP, for these calls only.
+  const bool exact_delta = kGeneral && p.dscores != nullptr;
+  const int steps = (exact_delta ? 2 : 1) * n_blocks;
+  float delta_acc[2] = {0.f, 0.f};
   float acc_dq[1][kDTiles][4];
   zero(acc_dq);
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int step = 0; step < steps; ++step) {
+    const int nb = step % n_blocks;
+    const bool delta_pass = exact_delta && step < n_blocks;
     const int n0 = nb * kBlockN;
-    T* sK = sK0 + (nb & 1) * kBlockN * kPitch;
-    T* sV = sV0 + (nb & 1) * kBlockN * kPitch;
-    if (nb + 1 < n_blocks) {  // prefetch the next tile into the other buffer
-      T* nK = sK0 + ((nb + 1) & 1) * kBlockN * kPitch;
-      T* nV = sV0 + ((nb + 1) & 1) * kBlockN * kPitch;
-      load_tile_async<kBlockN, kD, kThreads>(nK, k, p.k_stride[2], n0 + kBlockN, Tk, p.head_dim);
-      load_tile_async<kBlockN, kD, kThreads>(nV, v, p.v_stride[2], n0 + kBlockN, Tk, p.head_dim_v);
+    T* sK = sK0 + (step & 1) * kBlockN * kPitch;
+    T* sV = sV0 + (step & 1) * kBlockN * kPitch;
+    if (step + 1 < steps) {  // prefetch the next tile into the other buffer
+      const int next_n0 = ((step + 1) % n_blocks) * kBlockN;
+      T* nK = sK0 + ((step + 1) & 1) * kBlockN * kPitch;
+      T* nV = sV0 + ((step + 1) & 1) * kBlockN * kPitch;
+      load_tile_async<kBlockN, kD, kThreads>(nK, k, p.k_stride[2], next_n0, Tk, p.head_dim);
+      load_tile_async<kBlockN, kD, kThreads>(nV, v, p.v_stride[2], next_n0, Tk, p.head_dim_v);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -132,6 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
                              (p.is_causal && n0 + kBlockN - 1 > m0);
+    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles, kGeneral>(p, b, n0, lane) : 0u;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -139,16 +151,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int row = m0 + warp * 16 + g + 8 * (i >> 1);
         const int col = n0 + nt * 8 + 2 * t + (i & 1);
         float s2 = acc_s[0][nt][i] * scale_log2;
-        if (tile_masked) s2 = masked_score<kGeneral>(p, b, h, row, col, s2);
+        if (tile_masked) {
+          s2 = masked_score<kGeneral>(p, b, h, row, col, (hidden >> (2 * nt + (i & 1))) & 1u, s2);
+        }
         const float pr = ex2(s2 - lse2[i >> 1]);
         float dp = acc_dp[0][nt][i];
         if (dropout) dp *= dropout_factor(seed, bh, row, col, Tq, Tk, p.dropout_p, inv_keep);
+        if (delta_pass) {
+          delta_acc[i >> 1] += pr * dp;
+          continue;
+        }
         const float ds = pr * (dp - delta[i >> 1]);
         acc_s[0][nt][i] = ds;
         if (kGeneral && p.dscores != nullptr && row < Tq && col < Tk) {
           p.dscores[(bh * Tq + row) * static_cast<int64_t>(Tk) + col] = ds;
         }
       }
+    }
+    if (delta_pass) {
+      if (step == n_blocks - 1) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          delta[half] = quad_sum(delta_acc[half]);
+          const int row = m0 + warp * 16 + g + 8 * half;
+          if (t == 0 && row < Tq) p.delta[bh * Tq + row] = delta[half];
+        }
+      }
+      __syncthreads();  // every warp is done with this buffer before it is refilled
+      continue;
     }
     uint32_t a_ds[1][kNTiles / 2][4];
     to_a_fragments<T, 1, kNTiles>(a_ds, acc_s);
@@ -231,6 +261,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   zero(acc_dk);
   zero(acc_dv);
   const int key_row0 = n0 + warp * 16;
+  // This thread's two keys (rows g and g + 8 of the warp's 16) are the same for every tile.
+  const bool key_hidden_row[2] = {key_hidden<kGeneral>(p, b, key_row0 + g),
+                                  key_hidden<kGeneral>(p, b, key_row0 + g + 8)};
   for (int tile = 0; tile < tiles; ++tile) {
     const int buf = tile & 1;
     if (tile + 1 < tiles) {
@@ -264,7 +297,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int key = key_row0 + g + 8 * (i >> 1);
         const int qi = nt * 8 + 2 * t + (i & 1);
         float s2 = acc_st[0][nt][i] * scale_log2;
-        if (tile_masked) s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, s2);
+        if (tile_masked) {
+          s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, key_hidden_row[i >> 1], s2);
+        }
         const float pr = ex2(s2 - sLse[qi]);
         const float keep = dropout ? dropout_factor(seed, b * p.heads + h, m0 + qi, key, Tq, Tk,
                                                     p.dropout_p, inv_keep)

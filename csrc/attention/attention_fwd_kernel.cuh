@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
                              (p.is_causal && n0 + kBlockN - 1 > m0);
+    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles, kGeneral>(p, b, n0, lane) : 0u;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           if (tile_masked) {
             const int row = m0 + warp_row0 + mt * 16 + g + 8 * (i >> 1);
             const int col = n0 + nt * 8 + 2 * t + (i & 1);
-            s2 = masked_score<kGeneral>(p, b, h, row, col, s2);
+            s2 = masked_score<kGeneral>(p, b, h, row, col, (hidden >> (2 * nt + (i & 1))) & 1u, s2);
           }
           acc_s[mt][nt][i] = s2;
         }

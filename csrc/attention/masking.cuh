@@ -11,17 +11,42 @@
 namespace fusedattn {
 namespace attn {
 
+// Whether key `k` of batch b is hidden from every query: past the sequence end, or padding
+// (kUserMasks: the kernels' general variant reads the key padding mask).
+template <bool kUserMasks>
+__device__ __forceinline__ bool key_hidden(const AttentionParams& p, int64_t b, int k) {
+  if (k >= p.seqlen_k) return true;
+  return kUserMasks && p.key_padding && p.key_padding[b * p.key_padding_stride + k];
+}
+
+// The key_hidden bits of a thread's columns in a C-fragment tile starting at key n0: bit
+// 2 * nt + j for key n0 + 8 * nt + 2 * (lane % 4) + j. Read once per tile, not once per row.
+template <int kNTiles, bool kUserMasks>
+__device__ __forceinline__ uint32_t hidden_key_bits(const AttentionParams& p, int64_t b, int n0,
+                                                    int lane) {
+  static_assert(kNTiles * 2 <= 32, "one bit per column");
+  uint32_t bits = 0;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (key_hidden<kUserMasks>(p, b, n0 + nt * 8 + 2 * (lane & 3) + j)) {
+        bits |= 1u << (2 * nt + j);
+      }
+    }
+  }
+  return bits;
+}
+
 // Scaled score in the log2 domain (s2 = q.k * scale * log2 e) of query `q`, key `k` of head
-// (b, h), with every mask applied: -inf where the key is hidden, plus the float mask (times
-// log2 e). kUserMasks: the key padding and attn_mask reads (the kernels' general variant);
-// the sequence ends and the causal diagonal cost two compares and are always checked.
+// (b, h) with every mask applied: -inf where the key is hidden (`hidden`: see key_hidden),
+// past the query end or right of the causal diagonal; plus the float mask (times log2 e).
+// kUserMasks: the general variant, which reads attn_mask.
 template <bool kUserMasks>
 __device__ __forceinline__ float masked_score(const AttentionParams& p, int64_t b, int64_t h, int q,
-                                              int k, float s2) {
-  if (q >= p.seqlen_q || k >= p.seqlen_k || (p.is_causal && k > q)) return -INFINITY;
-  if (!kUserMasks) return s2;
-  if (p.key_padding && p.key_padding[b * p.key_padding_stride + k]) return -INFINITY;
-  if (p.mask) {
+                                              int k, bool hidden, float s2) {
+  if (hidden || q >= p.seqlen_q || (p.is_causal && k > q)) return -INFINITY;
+  if (kUserMasks && p.mask) {
     const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] +
                         static_cast<int64_t>(q) * p.mask_stride[2] +
                         static_cast<int64_t>(k) * p.mask_stride[3];
