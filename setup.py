@@ -106,6 +106,9 @@ def cuda_extensions():
                 "-O3",
                 "--expt-relaxed-constexpr",
                 "-lineinfo",
+                # FUSEDATTN_TUNING=1: extra attention tile variants, picked at run time by
+                # scripts/tune_attention.py (GPU tuning runs only; never in a release build).
+                *(["-DFUSEDATTN_TUNING"] if environ.get("FUSEDATTN_TUNING") == "1" else []),
             ],
         },
     )

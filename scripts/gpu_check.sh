@@ -5,7 +5,8 @@
 # so the whole run stays inside one device call (600 s); a failing step does not stop the
 # others. GPU_CHECK_STEPS picks steps (default: all, in this order):
 #   build info cuda-attention bench-attention tests bench-rowwise
-# and, on request only, profile (per-kernel times and an ncu report of the CUDA attention).
+# and, on request only, profile (per-kernel times and an ncu report of the CUDA attention) and
+# tune (builds the attention tile variants, FUSEDATTN_TUNING=1, and times them).
 #
 #   bash scripts/gpu_check.sh OUT_DIR        (or: make gpu-check OUT=OUT_DIR)
 set -uo pipefail
@@ -37,6 +38,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
 export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export FUSEDATTN_FORCE_CUDA_BUILD=1 FUSEDATTN_EXPECT_CUDA_BUILD=1
+[[ $steps == *" tune "* ]] && export FUSEDATTN_TUNING=1
 
 # CSVs only (at most 8 files come back); draw the plots afterwards with
 # `python benchmarks/report.py DIR --plot`. The CPU-only tests are CI's job.
@@ -55,6 +57,7 @@ if [[ $steps == *" profile "* ]]; then
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
     --log-file "$out_dir/ncu.txt" $PYTHON scripts/profile_attention.py --ncu
 fi
+step tune 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
 step tests 240 $PYTHON -m pytest -q -rs --tb=short -m "gpu or kernels" tests \
   --ignore tests/test_cuda_attention.py
 step bench-rowwise 90 $PYTHON benchmarks/run_all.py --quick --no-plots \

@@ -55,7 +55,7 @@ __device__ __forceinline__ float lse_log2(float lse) {
 }
 
 template <typename T, typename Traits, bool kGeneral>
-__global__ void __launch_bounds__(Traits::kNThreads, 1)
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     attention_bwd_dq_kernel(const AttentionParams p, const int num_m_blocks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;

@@ -15,8 +15,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "attention/attention.h"
 #include "attention/attention_bwd_kernel.cuh"
@@ -43,6 +45,15 @@ struct Policy<256, kGeneral> {
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#ifdef FUSEDATTN_TUNING
+// Tuning builds only (FUSEDATTN_TUNING=1 at build time; scripts/tune_attention.py): extra tile
+// variants of the bf16 D=128 kernels, picked per call by an environment variable (0 = policy).
+inline int tuning_variant(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? std::atoi(value) : 0;
+}
+#endif
 
 // Blocks ride grid axis x (2^31 - 1): B*H*blocks, so neither B*H nor Tq is capped at 65535.
 inline unsigned grid_size(int64_t blocks, const char* kernel) {
@@ -72,9 +83,8 @@ void set_smem(Kernel kernel, int bytes) {
 
 }  // namespace attn
 
-template <typename T, int kHeadDim, bool kGeneral>
+template <typename T, typename Traits, bool kGeneral>
 void launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = typename attn::Policy<kHeadDim, kGeneral>::Forward;
   const int num_m_blocks = static_cast<int>(attn::ceil_div(p.seqlen_q, Traits::kBlockM));
   const unsigned grid =
       attn::grid_size(static_cast<int64_t>(p.batch) * p.heads * num_m_blocks, "the forward kernel");
@@ -83,6 +93,27 @@ void launch_forward(const AttentionParams& p, cudaStream_t stream) {
   attn::set_smem(kernel, smem);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p, num_m_blocks);
   FUSEDATTN_LAUNCH_CHECK();
+}
+
+template <typename T, int kHeadDim, bool kGeneral>
+void launch_forward(const AttentionParams& p, cudaStream_t stream) {
+#ifdef FUSEDATTN_TUNING
+  if constexpr (kHeadDim == 128 && !kGeneral && std::is_same_v<T, __nv_bfloat16>) {
+    switch (attn::tuning_variant("FUSEDATTN_TUNE_FWD")) {
+      case 1:
+        return launch_forward<T, attn::ForwardTraits<128, 128, 32, 4>, false>(p, stream);
+      case 2:
+        return launch_forward<T, attn::ForwardTraits<128, 64, 64, 4>, false>(p, stream);
+      case 3:
+        return launch_forward<T, attn::ForwardTraits<128, 128, 64, 8>, false>(p, stream);
+      case 4:
+        return launch_forward<T, attn::ForwardTraits<128, 64, 64, 4, 3>, false>(p, stream);
+      default:
+        break;
+    }
+  }
+#endif
+  launch_forward<T, typename attn::Policy<kHeadDim, kGeneral>::Forward, kGeneral>(p, stream);
 }
 
 template <typename T, int kHeadDim>
@@ -103,33 +134,64 @@ void launch_dkdv(const AttentionParams& p, cudaStream_t stream) {
   FUSEDATTN_LAUNCH_CHECK();
 }
 
-template <typename T, int kHeadDim, bool kGeneral>
-void launch_backward(const AttentionParams& p, cudaStream_t stream) {
-  using Policy = attn::Policy<kHeadDim, kGeneral>;
-  using KV = typename Policy::BackwardKV;
-  using Q = typename Policy::BackwardQ;
-
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
-  attn::attention_bwd_delta_kernel<T>
-      <<<attn::grid_size(attn::ceil_div(rows, attn::kDeltaRowsPerBlock), "the delta kernel"),
-         attn::kDeltaRowsPerBlock * attn::kWarpSize, 0, stream>>>(p);
-  FUSEDATTN_LAUNCH_CHECK();
-
+template <typename T, typename Q, bool kGeneral>
+void launch_dq(const AttentionParams& p, cudaStream_t stream) {
   const int num_m_blocks = static_cast<int>(attn::ceil_div(p.seqlen_q, Q::kBlockM));
-  const unsigned grid_q =
+  const unsigned grid =
       attn::grid_size(static_cast<int64_t>(p.batch) * p.heads * num_m_blocks, "the dQ kernel");
-  const int smem_q = Q::kSmemElems * static_cast<int>(sizeof(T));
-  auto dq_kernel = attn::attention_bwd_dq_kernel<T, Q, kGeneral>;
-  attn::set_smem(dq_kernel, smem_q);
-  dq_kernel<<<grid_q, Q::kNThreads, smem_q, stream>>>(p, num_m_blocks);
+  const int smem = Q::kSmemElems * static_cast<int>(sizeof(T));
+  auto kernel = attn::attention_bwd_dq_kernel<T, Q, kGeneral>;
+  attn::set_smem(kernel, smem);
+  kernel<<<grid, Q::kNThreads, smem, stream>>>(p, num_m_blocks);
   FUSEDATTN_LAUNCH_CHECK();
+}
 
+template <typename T, typename KV, bool kGeneral>
+void launch_dkdv_passes(const AttentionParams& p, cudaStream_t stream) {
   if constexpr (KV::kSplitPasses) {
     launch_dkdv<T, KV, 1, kGeneral>(p, stream);
     launch_dkdv<T, KV, 2, kGeneral>(p, stream);
   } else {
     launch_dkdv<T, KV, 0, kGeneral>(p, stream);
   }
+}
+
+// delta, then dQ, then dK/dV: the dQ kernel may rewrite delta (exact_delta) before dK/dV reads it.
+template <typename T, int kHeadDim, bool kGeneral>
+void launch_backward(const AttentionParams& p, cudaStream_t stream) {
+  using Policy = attn::Policy<kHeadDim, kGeneral>;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
+  attn::attention_bwd_delta_kernel<T>
+      <<<attn::grid_size(attn::ceil_div(rows, attn::kDeltaRowsPerBlock), "the delta kernel"),
+         attn::kDeltaRowsPerBlock * attn::kWarpSize, 0, stream>>>(p);
+  FUSEDATTN_LAUNCH_CHECK();
+#ifdef FUSEDATTN_TUNING
+  if constexpr (kHeadDim == 128 && !kGeneral && std::is_same_v<T, __nv_bfloat16>) {
+    switch (attn::tuning_variant("FUSEDATTN_TUNE_DQ")) {
+      case 1:
+        launch_dq<T, attn::BackwardQTraits<128, 32, 4>, false>(p, stream);
+        break;
+      case 2:
+        launch_dq<T, attn::BackwardQTraits<128, 64, 8>, false>(p, stream);
+        break;
+      case 3:
+        launch_dq<T, attn::BackwardQTraits<128, 32, 4, 3>, false>(p, stream);
+        break;
+      default:
+        launch_dq<T, typename Policy::BackwardQ, false>(p, stream);
+    }
+    switch (attn::tuning_variant("FUSEDATTN_TUNE_DKDV")) {
+      case 1:
+        return launch_dkdv_passes<T, attn::BackwardKVTraits<128, 32, 4, false>, false>(p, stream);
+      case 2:
+        return launch_dkdv_passes<T, attn::BackwardKVTraits<128, 64, 8, false>, false>(p, stream);
+      default:
+        return launch_dkdv_passes<T, typename Policy::BackwardKV, false>(p, stream);
+    }
+  }
+#endif
+  launch_dq<T, typename Policy::BackwardQ, kGeneral>(p, stream);
+  launch_dkdv_passes<T, typename Policy::BackwardKV, kGeneral>(p, stream);
 }
 
 template <typename T, int kHeadDim>

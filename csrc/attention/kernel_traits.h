@@ -8,8 +8,11 @@ namespace attn {
 // Forward: a block of kBlockM queries (kNWarps warps x kMTiles x 16 rows) sweeps key tiles of
 // kBlockN. Shared memory: Q, one K tile and one V tile (the V load overlaps S = Q K^T, the
 // next K load overlaps O += P V), rows padded by 8 elements.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kMinBlocks: blocks per SM asked of the register allocator (__launch_bounds__); 1 lets a
+// thread use all 255 registers.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_ = 1>
 struct ForwardTraits {
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -42,8 +45,9 @@ struct BackwardKVTraits {
 
 // Backward, dQ kernel: a block of kBlockM queries (16 per warp) sweeps key tiles of kBlockN.
 // Shared memory: Q, dO, and double-buffered K, V (K is read twice per tile: S and dQ += dS K).
-template <int kHeadDim_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kBlockN_, int kNWarps_, int kMinBlocks_ = 1>
 struct BackwardQTraits {
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
