@@ -108,7 +108,7 @@ def cuda_extensions():
                 "-lineinfo",
                 # FUSEDATTN_TUNING=1: extra attention tile variants, picked at run time by
                 # scripts/tune_attention.py (GPU tuning runs only; never in a release build).
-                *(["-DFUSEDATTN_TUNING"] if environ.get("FUSEDATTN_TUNING") == "1" else []),
+                *(["-DFUSEDATTN_TUNING"] if os.environ.get("FUSEDATTN_TUNING") == "1" else []),
             ],
         },
     )

@@ -100,6 +100,21 @@ def test_realistic_sizes_with_padding(shape, causal, dtype):
     check(shape, dtype, is_causal=causal, key_padding_mask=kpm)
 
 
+@gpu
+@pytest.mark.parametrize(
+    "shape",
+    [AttentionShape(2, 4, 2, 129, 129, 64, 64), AttentionShape(3, 2, 2, 63, 1000, 128, 128),
+     AttentionShape(2, 2, 1, 300, 77, 96, 96)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_alone(shape, causal):
+    """Key padding without attn_mask or dropout: the fast forward and dQ kernels read it."""
+    kpm = torch.rand(shape.B, shape.Tk) < 0.3
+    kpm[0, : shape.Tk // 2] = True  # whole key tiles of padding in batch 0
+    check(shape, is_causal=causal, key_padding_mask=kpm)
+
+
 MASK_SHAPES = [(17, 33), (1, 1, 17, 33), (2, 1, 1, 33), (3, 17, 33), (2, 3, 17, 33), (2, 3, 1, 33)]
 
 

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 
   const int n_end = p.is_causal ? min(Tk, m0 + kBlockM) : Tk;
   const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
-  const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
+  const bool any_mask = p.key_padding != nullptr || (kGeneral && p.mask != nullptr);
   const bool dropout = kGeneral && p.dropout_p > 0.f;
   const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 
     const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
                              (p.is_causal && n0 + kBlockN - 1 > m0);
-    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles, kGeneral>(p, b, n0, lane) : 0u;
+    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles>(p, b, n0, lane) : 0u;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -231,6 +231,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_m = (Tq + kBlockM - 1) / kBlockM;
   const int tiles_per_head = max(0, num_m - m_begin);
   const int tiles = group * tiles_per_head;
+  // Key padding takes this kernel's general variant (needs_general_kv_variant): the
+  // unmasked path keeps no registers for it.
   const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
   const bool dropout = kGeneral && p.dropout_p > 0.f;
   const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
@@ -262,8 +264,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   zero(acc_dv);
   const int key_row0 = n0 + warp * 16;
   // This thread's two keys (rows g and g + 8 of the warp's 16) are the same for every tile.
-  const bool key_hidden_row[2] = {key_hidden<kGeneral>(p, b, key_row0 + g),
-                                  key_hidden<kGeneral>(p, b, key_row0 + g + 8)};
+  const bool key_hidden_row[2] = {
+      kGeneral ? key_hidden(p, b, key_row0 + g) : key_row0 + g >= Tk,
+      kGeneral ? key_hidden(p, b, key_row0 + g + 8) : key_row0 + g + 8 >= Tk};
   for (int tile = 0; tile < tiles; ++tile) {
     const int buf = tile & 1;
     if (tile + 1 < tiles) {

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // Causal: key tiles right of this block's last query are never visited.
   const int n_end = p.is_causal ? min(Tk, m0 + kBlockM) : Tk;
   const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
-  const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
+  const bool any_mask = p.key_padding != nullptr || (kGeneral && p.mask != nullptr);
   const bool dropout = kGeneral && p.dropout_p > 0.f;
   const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 
     const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
                              (p.is_causal && n0 + kBlockN - 1 > m0);
-    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles, kGeneral>(p, b, n0, lane) : 0u;
+    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles>(p, b, n0, lane) : 0u;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll

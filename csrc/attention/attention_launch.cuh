@@ -156,49 +156,56 @@ void launch_dkdv_passes(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-// delta, then dQ, then dK/dV: the dQ kernel may rewrite delta (exact_delta) before dK/dV reads it.
 template <typename T, int kHeadDim, bool kGeneral>
-void launch_backward(const AttentionParams& p, cudaStream_t stream) {
-  using Policy = attn::Policy<kHeadDim, kGeneral>;
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
-  attn::attention_bwd_delta_kernel<T>
-      <<<attn::grid_size(attn::ceil_div(rows, attn::kDeltaRowsPerBlock), "the delta kernel"),
-         attn::kDeltaRowsPerBlock * attn::kWarpSize, 0, stream>>>(p);
-  FUSEDATTN_LAUNCH_CHECK();
+void launch_dq_policy(const AttentionParams& p, cudaStream_t stream) {
 #ifdef FUSEDATTN_TUNING
   if constexpr (kHeadDim == 128 && !kGeneral && std::is_same_v<T, __nv_bfloat16>) {
     switch (attn::tuning_variant("FUSEDATTN_TUNE_DQ")) {
       case 1:
-        launch_dq<T, attn::BackwardQTraits<128, 32, 4>, false>(p, stream);
-        break;
+        return launch_dq<T, attn::BackwardQTraits<128, 32, 4>, false>(p, stream);
       case 2:
-        launch_dq<T, attn::BackwardQTraits<128, 64, 8>, false>(p, stream);
-        break;
+        return launch_dq<T, attn::BackwardQTraits<128, 64, 8>, false>(p, stream);
       case 3:
-        launch_dq<T, attn::BackwardQTraits<128, 32, 4, 3>, false>(p, stream);
-        break;
+        return launch_dq<T, attn::BackwardQTraits<128, 32, 4, 3>, false>(p, stream);
       default:
-        launch_dq<T, typename Policy::BackwardQ, false>(p, stream);
+        break;
     }
+  }
+#endif
+  launch_dq<T, typename attn::Policy<kHeadDim, kGeneral>::BackwardQ, kGeneral>(p, stream);
+}
+
+template <typename T, int kHeadDim, bool kGeneral>
+void launch_dkdv_policy(const AttentionParams& p, cudaStream_t stream) {
+#ifdef FUSEDATTN_TUNING
+  if constexpr (kHeadDim == 128 && !kGeneral && std::is_same_v<T, __nv_bfloat16>) {
     switch (attn::tuning_variant("FUSEDATTN_TUNE_DKDV")) {
       case 1:
         return launch_dkdv_passes<T, attn::BackwardKVTraits<128, 32, 4, false>, false>(p, stream);
       case 2:
         return launch_dkdv_passes<T, attn::BackwardKVTraits<128, 64, 8, false>, false>(p, stream);
       default:
-        return launch_dkdv_passes<T, typename Policy::BackwardKV, false>(p, stream);
+        break;
     }
   }
 #endif
-  launch_dq<T, typename Policy::BackwardQ, kGeneral>(p, stream);
-  launch_dkdv_passes<T, typename Policy::BackwardKV, kGeneral>(p, stream);
+  launch_dkdv_passes<T, typename attn::Policy<kHeadDim, kGeneral>::BackwardKV, kGeneral>(p, stream);
 }
 
 template <typename T, int kHeadDim>
 void run_attention_backward(const AttentionParams& p, cudaStream_t stream) {
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the caller returns zero gradients
+  // delta, then dQ, then dK/dV: the dQ kernel may rewrite delta (exact_delta) before dK/dV
+  // reads it (one stream: in order).
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
+  attn::attention_bwd_delta_kernel<T>
+      <<<attn::grid_size(attn::ceil_div(rows, attn::kDeltaRowsPerBlock), "the delta kernel"),
+         attn::kDeltaRowsPerBlock * attn::kWarpSize, 0, stream>>>(p);
+  FUSEDATTN_LAUNCH_CHECK();
   BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,
-              [&] { launch_backward<T, kHeadDim, kGeneral>(p, stream); });
+              [&] { launch_dq_policy<T, kHeadDim, kGeneral>(p, stream); });
+  BOOL_SWITCH(attn::needs_general_kv_variant(p), kGeneral,
+              [&] { launch_dkdv_policy<T, kHeadDim, kGeneral>(p, stream); });
 }
 
 }  // namespace fusedattn
