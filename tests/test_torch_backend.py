@@ -73,6 +73,26 @@ def test_layer_norm_kx(N, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_layer_norm_half_input_with_float32_parameters(dtype):
+    """fp32 weight and bias with a half input (what autocast leaves): computed in fp32, output in
+    x's dtype, parameter gradients in fp32. (CUDA's F.layer_norm refuses the mix outright.)"""
+    N = 1000
+    x = (torch.randn(3, 4, N) * 2 + 0.5).to(dtype)
+    params = dict(weight=torch.randn(N), bias=torch.randn(N))
+    assert_op_kx(
+        partial(fusedattn.layer_norm, backend="torch"),
+        reference.layer_norm,
+        dict(x=x, **params),
+        kwargs=dict(normalized_shape=(N,)),
+        grad_of=("x", "weight", "bias"),
+    )
+    w = params["weight"].requires_grad_()
+    out = fusedattn.layer_norm(x, (N,), w, params["bias"], backend="torch")
+    out.float().sum().backward()
+    assert out.dtype == dtype and w.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [1, 7, 1000, 4097])
 def test_softmax_masked_causal_kx(N, dtype):

@@ -2,15 +2,21 @@
 // opt-in, and a launch check after every kernel. Included by the per-head-dim instantiation
 // files (attention_{fwd,bwd}_hdim*.cu), so each head dim compiles in its own translation unit.
 //
-// Tiles (a starting point from the register budget, 255 per thread, and shared memory; the
-// H200 measurements in benchmarks/results/ are what to change them by):
+// Tiles, chosen from the register budget (255 per thread) and shared memory, then measured on
+// the H200 (bf16, B=4 H=16 T=4096 D=128; benchmarks/results/h200/tune_attention.csv):
 //   forward   D <= 128: 128 queries x 64 keys, 4 warps of 2 m-tiles (each K/V fragment read
-//             from shared memory feeds two MMAs: shared-memory bandwidth, 128 B/clk/SM, is the
-//             limit of mma.sync flash attention); O takes D/2 fp32 registers per thread.
-//             D = 256: 128 x 64 with 8 warps of 1 m-tile (O is already 128 registers).
+//             from shared memory feeds two MMAs). 267 TFLOP/s; the variants were slower:
+//             128x32 (no register spills) 249, 64x64 with 3 blocks/SM 235, 128x64 on 8 warps 184.
+//             D = 256: 128 x 64 on 8 warps of 1 m-tile (O alone is 128 registers).
+//             The general variant (attn_mask, dropout) takes 32-key tiles: its per-element mask
+//             and Philox code would spill at 64.
 //   backward  dK/dV: 64 keys (4 warps x 16) x 64-query tiles; D = 256: 32-query tiles and two
 //             passes (dV, then dK), since dK + dV alone would take 256 registers.
 //             dQ: 64 queries (4 warps x 16) x 64-key tiles (32 at D = 256).
+//             Backward 188 TFLOP/s; 32-query dK/dV tiles 167, 128-key blocks 179; dQ with
+//             32-key tiles and 3 blocks/SM 193 (within noise, not taken).
+// ncu (forward): 8 warps per SM, tensor pipe 41 % busy, the top stall a fixed-latency
+// dependency: latency-bound at this occupancy, which tile shapes alone did not fix.
 // Shared memory at D = 256 is 135 KB per block: within sm_80's 163 KB and sm_90's 227 KB.
 #pragma once
 

@@ -14,6 +14,15 @@ from .checks import check_layer_norm_args
 
 
 def _torch_layer_norm(x, normalized_shape, weight, bias, eps):
+    """F.layer_norm; parameters of another dtype than x (fp32 weights with a half input, as
+    autocast leaves them) are computed in fp32 and the output rounded once to x's dtype: the
+    eager CUDA kernel takes parameters only in x's dtype (pytorch/pytorch#188503; this backend's
+    mixed-dtype GPU test failed on the H200 with torch 2.11)."""
+    params = [t for t in (weight, bias) if t is not None]
+    if any(t.dtype != x.dtype for t in params):
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
+        return F.layer_norm(x.float(), normalized_shape, weight, bias, eps).to(x.dtype)
     return F.layer_norm(x, normalized_shape, weight, bias, eps)
 
 
