@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedattn import reference
 from fusedattn.testing import assert_close_kx
 
 
@@ -48,3 +49,17 @@ def attention_inputs(q, k, v, **overrides):
     base = dict(q=q, k=k, v=v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False, key_padding_mask=None, return_lse=False)  # fmt: skip
     return base | overrides
+
+
+def assert_offsets_past_2_to_the_31(attention):
+    """`attention(q, k, v)` on a q and out of 2^31 + 1024 elements (bf16, CUDA): the first and
+    last rows match float64 under the k× rule, so every offset must be 64-bit."""
+    Tq, D = 2**25 + 16, 64
+    q = torch.randn(1, 1, Tq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 32, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 1, 32, D, device="cuda", dtype=torch.bfloat16)
+    out = attention(q, k, v)
+    for rows in (slice(0, 64), slice(Tq - 64, Tq)):
+        qs = q[:, :, rows]
+        want = reference.attention(qs.double(), k.double(), v.double())
+        assert_close_kx(out[:, :, rows], want, reference.attention(qs, k, v))
