@@ -19,7 +19,11 @@ def qkv(B=2, H=4, Tq=5, Tk=6, D=8, dtype=torch.float32):
 
 
 q, k, v = qkv()
+jagged = torch.nested.nested_tensor(
+    [torch.randn(4, 3, 8), torch.randn(4, 5, 8)], layout=torch.jagged
+)
 ATTENTION_CASES = [
+    ("q is a nested (jagged) tensor", TypeError, dict(q=jagged, k=jagged, v=jagged)),
     ("q must be a torch.Tensor", TypeError, dict(q=[1.0])),
     ("q must be 4-D", ValueError, dict(q=q[0])),
     (

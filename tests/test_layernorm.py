@@ -64,6 +64,29 @@ def test_half_input_with_float32_parameters(dtype):
     check(torch.randn(6, 96).to(dtype), torch.randn(96), torch.randn(96))
 
 
+PARAM_LAYOUTS = ["strided", "expanded"]
+
+
+def param_pair(layout, n):
+    """weight and bias as views the kernels must not read as contiguous: every other element
+    of a wider tensor, or one element expanded (stride 0; its storage holds one value)."""
+    if layout == "strided":
+        return torch.randn(2 * n)[::2], torch.randn(2 * n)[1::2]
+    return torch.randn(1).expand(n), torch.randn(1).expand(n)
+
+
+@pytest.mark.parametrize("layout", PARAM_LAYOUTS)
+def test_strided_and_expanded_parameters(layout):
+    check(torch.randn(6, 40), *param_pair(layout, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_bias_gradient_stays_float32(dtype):
+    """A half input with an fp32 bias and no weight: dbias is an fp32 sum, never rounded to the
+    input dtype (it was: 3e-2 off in bf16)."""
+    check(torch.randn(256, 40).to(dtype), None, torch.randn(40))
+
+
 def test_non_contiguous_input_and_multi_dim_shape():
     x = torch.randn(8, 6, 40).transpose(0, 1)  # rows with a non-unit stride pattern
     check(x, torch.randn(40), torch.randn(40))
@@ -134,6 +157,9 @@ def test_cuda_backend_kx(N, dtype):
     x = (torch.randn(3, 5, N) * 2 + 1).to(dtype)
     check(x, torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype), backend="cuda")
     check(x[:, ::2], torch.randn(N), None, backend="cuda")
+    check(x, None, torch.randn(N), backend="cuda")  # an fp32 bias gradient alone
+    for layout in PARAM_LAYOUTS:
+        check(x, *param_pair(layout, N), backend="cuda")
 
 
 def test_cuda_backend_refuses_what_it_cannot_run(monkeypatch):

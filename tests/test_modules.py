@@ -116,6 +116,52 @@ def test_self_attention_with_causal_hint(backend, options):
     torch.testing.assert_close(ours(x, x, x, is_causal=True)[0], theirs(x, x, x, attn_mask=mask)[0])
 
 
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [{}, {"add_bias_kv": True}], ids=str)
+def test_causal_hint_keeps_a_float_key_padding_mask(backend, options):
+    """is_causal=True with torch's causal mask and a float key_padding_mask: the padding is
+    added to the scores (it was dropped with the hint mask: the padded key was attended)."""
+    ours, theirs = mha_pair(backend, **options)
+    x = inputs(options, Tk=5)[0]
+    mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=F64)
+    kpm = torch.zeros(3, 5, dtype=F64)
+    kpm[:, 1] = float("-inf")
+    kpm[2, 3] = -2.0
+    kw = dict(attn_mask=mask, is_causal=True, key_padding_mask=kpm, need_weights=False)
+    torch.testing.assert_close(ours(x, x, x, **kw)[0], theirs(x, x, x, **kw)[0])
+
+
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        (((3, 2, 12), (3, 2, 16), (3, 2, 16)), "query must have 16 features"),
+        (((3, 2, 16), (3, 2, 12), (3, 2, 16)), "key must have 16 features"),
+        (((3, 2, 3, 16),) * 3, "query must be 3-D"),
+        (((3, 2, 16), (4, 16), (4, 16)), "same number of dims"),
+        (((3, 2, 16), (4, 3, 16), (4, 3, 16)), "same batch size"),
+        (((3, 2, 16), (4, 2, 16), (5, 2, 16)), "key and value must have the same length"),
+    ],
+    ids=lambda c: c if isinstance(c, str) else "",
+)
+def test_bad_input_shapes_get_clear_errors(shapes, match):
+    ours, _ = mha_pair("reference")
+    with pytest.raises(ValueError, match=match):
+        ours(*(torch.randn(s, dtype=F64) for s in shapes))
+
+
+def test_modules_refuse_torch_jit_script_clearly():
+    for module in (
+        fusedattn.MultiheadAttention(16, 4),
+        fusedattn.LayerNorm(8),
+        fusedattn.Softmax(-1),
+    ):
+        with pytest.raises(TypeError, match=r"not scriptable .* use torch.compile"):
+            torch.jit.script(nn.Sequential(module))
+    trace = torch.jit.trace(fusedattn.LayerNorm(8, backend="torch"), torch.randn(2, 8))
+    assert trace(torch.randn(2, 8)).shape == (2, 8)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unbatched_inputs(backend):
     ours, theirs = mha_pair(backend)

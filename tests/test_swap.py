@@ -62,6 +62,29 @@ def test_swap_replaces_every_module_with_weights_mode_and_dtype():
     assert {m.backend for m in again.modules() if isinstance(m, fusedattn.LayerNorm)} == {"torch"}
 
 
+def test_swap_modules_refuses_what_is_not_a_module():
+    with pytest.raises(TypeError, match=r"swap_modules takes an nn\.Module, got list"):
+        fusedattn.swap_modules([nn.LayerNorm(4)])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_eval_fast_path_never_bypasses_swapped_norms():
+    """Swapping only the norms (attention=False): torch's encoder fast path and nested-tensor
+    path must stay off in eval, or the swapped LayerNorms never run."""
+    layer = encoder_layer(batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
+    swapped = fusedattn.swap_modules(copy.deepcopy(model), backend="reference", attention=False)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1, 3:] = True
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad(), count_dispatches() as counts:
+        out = swapped(x, src_key_padding_mask=kpm)
+    assert counts == {("layer_norm", "reference"): 4}
+    assert not out.is_nested
+    with torch.no_grad():
+        torch.testing.assert_close(out[0], model(x, src_key_padding_mask=kpm)[0])
+
+
 def run_and_compare(model, make_inputs, *, backend="torch", train=True, expect=()):
     """Original model in float64 (truth) and float32 (baseline) vs the swapped float32 model:
     outputs and parameter gradients under the k× rule; returns the dispatch counts."""

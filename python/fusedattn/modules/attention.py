@@ -13,11 +13,8 @@ documented behaviour rather than accidents:
   softmax of the masked scores computed beside it, before dropout (torch returns them after
   dropout).
 
-torch's `nn.TransformerEncoderLayer` has an inference fast path that reads the projection
-weights and calls torch's own fused kernel, bypassing the attention module. It is skipped
-when a forward hook is attached to any submodule, so this module attaches one no-op
-pre-hook (`_keep_torch_fast_path_off`): inside torch's layers fusedattn's kernels run in
-train and in eval.
+Inside torch's `nn.TransformerEncoderLayer` the module keeps torch's inference fast path off
+(see `_torch_compat`): fusedattn's kernels run in train and in eval.
 """
 
 from __future__ import annotations
@@ -31,20 +28,14 @@ from ..masks import causal_mask
 from ..ops import attention
 from ..reference.attention import attention_scores
 from ..reference.softmax import safe_softmax
+from ._torch_compat import FusedModule
 
 
-def _keep_torch_fast_path_off(module, args):
-    """No-op forward pre-hook; its presence disables torch's encoder-layer fast path."""
-    return None
+def canonical_attn_mask(attn_mask, batch, num_heads, tq, tk, dtype):
+    """nn.MultiheadAttention's attn_mask -> fusedattn's.
 
-
-def canonical_masks(attn_mask, key_padding_mask, batch, num_heads, tq, tk, dtype):
-    """nn.MultiheadAttention's masks -> fusedattn's.
-
-    torch: bool True = NOT allowed, float added; attn_mask (Tq, Tk) or (B*H, Tq, Tk);
-    key_padding_mask (B, Tk). fusedattn: bool True = may attend, broadcastable to
-    (B, H, Tq, Tk); key_padding_mask bool (B, Tk), True = padding. A float key padding mask
-    is folded into attn_mask (it is added to the scores, as in torch).
+    torch: bool True = NOT allowed, float added; (Tq, Tk) or (B*H, Tq, Tk). fusedattn: bool
+    True = may attend, broadcastable to (B, H, Tq, Tk).
     """
     if attn_mask is not None:
         if attn_mask.dim() == 2:
@@ -61,6 +52,15 @@ def canonical_masks(attn_mask, key_padding_mask, batch, num_heads, tq, tk, dtype
         if attn_mask.dim() == 3:
             attn_mask = attn_mask.view(batch, num_heads, tq, tk)
         attn_mask = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+    return attn_mask
+
+
+def canonical_padding(attn_mask, key_padding_mask, batch, tk, dtype):
+    """nn.MultiheadAttention's key_padding_mask (B, Tk) -> fusedattn's (bool, True = padding).
+
+    A float key padding mask is added to the scores, as in torch: it is folded into attn_mask
+    (after any causal decision, so it is never dropped with a causal hint mask).
+    """
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (batch, tk):
             raise ValueError(
@@ -79,7 +79,50 @@ def canonical_masks(attn_mask, key_padding_mask, batch, num_heads, tq, tk, dtype
     return attn_mask, key_padding_mask
 
 
-class MultiheadAttention(nn.Module):
+def _check_inputs(query, key, value, embed_dim, kdim, vdim, batch_first):
+    """nn.MultiheadAttention's shape rules, as clear errors before any projection."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(
+                "fusedattn.MultiheadAttention does not take nested tensors; build "
+                "nn.TransformerEncoder with enable_nested_tensor=False (swap_modules does)"
+            )
+    if query.dim() not in (2, 3):
+        layout = "(B, T, E)" if batch_first else "(T, B, E)"
+        raise ValueError(
+            f"query must be 3-D {layout} or 2-D (T, E) unbatched, got {query.dim()}-D "
+            f"{tuple(query.shape)}"
+        )
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            f"query, key and value must have the same number of dims, got {query.dim()}, "
+            f"{key.dim()} and {value.dim()}"
+        )
+    for name, t, width in (("query", query, embed_dim), ("key", key, kdim), ("value", value, vdim)):
+        if t.shape[-1] != width:
+            raise ValueError(
+                f"{name} must have {width} features in its last dim (the module's "
+                f"{'embed_dim' if name == 'query' else name[0] + 'dim'}), got {tuple(t.shape)}"
+            )
+    batch_dim = 0 if batch_first else 1
+    if query.dim() == 3 and not (
+        query.shape[batch_dim] == key.shape[batch_dim] == value.shape[batch_dim]
+    ):
+        raise ValueError(
+            f"query, key and value must have the same batch size, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    seq_dim = 1 if query.dim() == 3 and batch_first else 0
+    if key.shape[seq_dim] != value.shape[seq_dim]:
+        raise ValueError(
+            f"key and value must have the same length, got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+
+
+class MultiheadAttention(FusedModule):
     """Drop-in `nn.MultiheadAttention` whose attention runs in `fusedattn.attention`.
 
     `backend` (keyword-only) picks the kernel backend, as in `fusedattn.attention`.
@@ -146,7 +189,7 @@ class MultiheadAttention(nn.Module):
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
         self._reset_parameters()
-        self.register_forward_pre_hook(_keep_torch_fast_path_off)
+        self._register_fused_hooks()
 
     def _reset_parameters(self) -> None:
         # nn.MultiheadAttention's initialisation, in the same order (same RNG draws).
@@ -218,11 +261,7 @@ class MultiheadAttention(nn.Module):
         average_attn_weights=True,
         is_causal=False,
     ):
-        if query.is_nested or key.is_nested or value.is_nested:
-            raise ValueError(
-                "fusedattn.MultiheadAttention does not take nested tensors; build "
-                "nn.TransformerEncoder with enable_nested_tensor=False (swap_modules does)"
-            )
+        _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim, self.batch_first)
         batched = query.dim() == 3
         if not batched:  # (T, E): a batch of one
             query, key, value = (t.unsqueeze(0) for t in (query, key, value))
@@ -233,17 +272,17 @@ class MultiheadAttention(nn.Module):
         B, Tq, _ = query.shape
         q, k, v = self._project(query, key, value)
         Tk = k.shape[1]
-        attn_mask, key_padding_mask = canonical_masks(
-            attn_mask, key_padding_mask, B, self.num_heads, Tq, Tk, q.dtype
-        )
+        attn_mask = canonical_attn_mask(attn_mask, B, self.num_heads, Tq, Tk, q.dtype)
         appended = self.bias_k is not None or self.add_zero_attn
         # The kernel uses the causal structure directly unless appended keys (bias_k, the zero
-        # slot) break it; then, as torch does, the explicit mask is used.
+        # slot) break it; then, as torch does, the explicit mask is used. A given attn_mask is
+        # torch's causal hint; a float key padding mask is folded in only after this choice.
         causal = is_causal and not appended
         if causal:
             attn_mask = None
         elif is_causal and attn_mask is None:
             attn_mask = causal_mask(Tq, Tk, device=q.device)
+        attn_mask, key_padding_mask = canonical_padding(attn_mask, key_padding_mask, B, Tk, q.dtype)
         if self.bias_k is not None:
             k = torch.cat([k, self.bias_k.expand(B, 1, -1).to(k.dtype)], dim=1)
             v = torch.cat([v, self.bias_v.expand(B, 1, -1).to(v.dtype)], dim=1)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..ops import layer_norm
+from ._torch_compat import FusedModule
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(nn.LayerNorm, FusedModule):
     """Drop-in `nn.LayerNorm` (same constructor, parameters, state_dict and repr) whose forward
     runs `fusedattn.layer_norm`; `backend` (keyword-only) picks the kernel backend."""
 
@@ -24,6 +25,7 @@ class LayerNorm(nn.LayerNorm):
     ):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.backend = backend
+        self._register_fused_hooks()
 
     @classmethod
     def from_torch(cls, norm: nn.LayerNorm, *, backend="auto") -> LayerNorm:

@@ -7,15 +7,17 @@ import warnings
 from torch import nn
 
 from ..ops import softmax
+from ._torch_compat import FusedModule
 
 
-class Softmax(nn.Softmax):
+class Softmax(nn.Softmax, FusedModule):
     """Drop-in `nn.Softmax` (same constructor, repr and legacy implicit dim) whose forward runs
     `fusedattn.softmax`; a row of -inf gives 0 instead of NaN."""
 
     def __init__(self, dim=None, *, backend="auto"):
         super().__init__(dim)
         self.backend = backend
+        self._register_fused_hooks()
 
     @classmethod
     def from_torch(cls, module: nn.Softmax, *, backend="auto") -> Softmax:

@@ -45,18 +45,28 @@ def swap_modules(
     reference twins) by fusedattn's, with the same weights, device, dtype and train/eval mode;
     returns `model` (or the replacement, if `model` itself is one of those modules).
 
-    nn.TransformerEncoder's nested-tensor inference path is turned off (it would hand nested
-    tensors to the attention module); the encoder-layer fast path is kept off by the fused
-    attention module itself, so fusedattn's kernels run inside torch's transformer layers.
+    nn.TransformerEncoder's nested-tensor inference path is turned off wherever a module inside
+    it is fused (it would hand nested tensors to the fused modules); the encoder-layer fast
+    path is kept off by the fused modules themselves, so fusedattn's kernels run inside
+    torch's transformer layers whichever families are swapped.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"swap_modules takes an nn.Module, got {type(model).__name__} (wrap a list of "
+            "modules in nn.ModuleList or nn.Sequential)"
+        )
     root = _replacement(model, backend, attention, layernorm, softmax)
     if root is not None:
         return root
     for parent in model.modules():
-        if isinstance(parent, nn.TransformerEncoder) and attention:
-            parent.use_nested_tensor = False
         for name, child in list(parent.named_children()):
             new = _replacement(child, backend, attention, layernorm, softmax)
             if new is not None:
                 setattr(parent, name, new)
+    fused = (MultiheadAttention, LayerNorm, Softmax)
+    for encoder in model.modules():
+        if isinstance(encoder, nn.TransformerEncoder) and any(
+            isinstance(m, fused) for m in encoder.modules()
+        ):
+            encoder.use_nested_tensor = False
     return model

@@ -22,6 +22,11 @@ def shape_str(shape) -> str:
 def check_tensor(name: str, t, *, dims: int | None = None, layout: str = "") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise TypeError(
+            f"{name} is a nested (jagged) tensor; fusedattn's ops take dense tensors (pack "
+            "variable-length sequences for fusedattn.varlen_attention)"
+        )
     if dims is not None and t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D {layout}, got shape {shape_str(t.shape)}")
 

@@ -53,6 +53,12 @@ def _fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.float().contiguous().view(-1)
 
 
+def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The Triton kernels read parameters with a unit stride: a strided or expanded (stride 0)
+    weight is copied to its n elements first (a negligible copy next to x)."""
+    return None if t is None else t.contiguous()
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -103,6 +109,7 @@ def layer_norm_fwd(
         y, mean, rstd = extension().layer_norm_fwd(rows, _fp32(weight), _fp32(bias), eps)
         return y.view(x.shape), mean, rstd
     K = kernels("layernorm")
+    weight, bias = _dense(weight), _dense(bias)
     M = rows.shape[0]
     y = new_output((M, n), x.dtype, x.device)
     mean = new_output((M,), torch.float32, x.device)
@@ -147,6 +154,7 @@ def layer_norm_bwd(
         )
         return dx.view(x.shape), dw, db
     K = kernels("layernorm")
+    weight = _dense(weight)
     dx = new_output((M, n), x.dtype, x.device)
     programs = K.backward_programs(M, program_budget(x.device))
     per_program = -(-M // programs) if M else 1
@@ -190,7 +198,8 @@ def _layer_norm_setup(ctx, inputs, output):
     x, n, weight, bias, _eps, backend = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.n, ctx.has_bias, ctx.backend = n, bias is not None, backend
+    ctx.n, ctx.backend = n, backend
+    ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.param_shape = next((p.shape for p in (weight, bias) if p is not None), None)
     ctx.mark_non_differentiable(mean, rstd)
 
@@ -198,7 +207,7 @@ def _layer_norm_setup(ctx, inputs, output):
 def _layer_norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[2]
-    need_b = ctx.has_bias and ctx.needs_input_grad[3]
+    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
     dx, dw, db = torch.ops.fusedattn.layer_norm_bwd(
         dy, x, weight, mean, rstd, ctx.n, need_w or need_b, ctx.backend
     )
@@ -207,7 +216,7 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd):
         dx,
         None,
         dw.view(shape).to(weight.dtype) if need_w else None,
-        db.view(shape).to(dy.dtype if weight is None else weight.dtype) if need_b else None,
+        db.view(shape).to(ctx.bias_dtype) if need_b else None,
         None,
         None,
     )

@@ -20,6 +20,8 @@ def _torch_softmax(x, dim, mask, scale, is_causal):
         x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
     if is_causal:
         x = x.masked_fill(~causal_mask(x.shape[-2], x.shape[-1], device=x.device), float("-inf"))
+    if x.shape[dim] == 0:  # nothing to normalise (amax cannot reduce an empty dim)
+        return x.clone().to(dtype)
     # torch.softmax gives NaN on a row of -inf; zero it before and after (detached max, so the
     # zeroed rows also get a zero gradient).
     dead = x.detach().amax(dim, keepdim=True) == float("-inf")

@@ -32,7 +32,10 @@ def safe_softmax(s: torch.Tensor, dim: int) -> torch.Tensor:
     """exp(s - max) / sum along dim; a row with no finite entry (all masked) gives 0, not NaN.
 
     The max is detached: the result does not depend on it, so its gradient is exactly zero.
+    An empty `dim` gives the empty result.
     """
+    if s.shape[dim] == 0:
+        return s.clone()
     row_max = s.detach().amax(dim, keepdim=True)
     dead = row_max == float("-inf")
     e = torch.exp(s - row_max.masked_fill(dead, 0.0))
