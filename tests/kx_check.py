@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fusedattn import reference
+from fusedattn.masks import NO_WINDOW
 from fusedattn.testing import assert_close_kx
 
 
@@ -46,8 +47,9 @@ def assert_op_kx(op, reference_op, tensors, *, kwargs=None, grad_of=(), k=2.0, g
 
 def attention_inputs(q, k, v, **overrides):
     """The full keyword set `fusedattn.attention` hands a backend, for dispatch tests."""
-    base = dict(q=q, k=k, v=v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False, key_padding_mask=None, return_lse=False)  # fmt: skip
+    base = dict(q=q, k=k, v=v, attn_mask=None, dropout_p=0.0, scale=None, enable_gqa=False,
+                key_padding_mask=None, window=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                sinks=None, return_lse=False)  # fmt: skip
     return base | overrides
 
 

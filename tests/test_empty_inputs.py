@@ -18,3 +18,26 @@ def test_softmax_of_an_empty_tensor_is_empty(backend, shape, device):
         assert y.shape == x.shape and y.dtype == x.dtype
         (grad,) = torch.autograd.grad(y.sum(), x)
         assert grad.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B,Tq,Tk", [(2, 5, 0), (2, 0, 5), (0, 5, 5)], ids=str)
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_attention_with_nothing_to_attend(backend, B, Tq, Tk, with_sinks, device):
+    """No keys: 0 output, lse -inf (the sink with sinks), 0 gradients; no queries or no batch:
+    empty results."""
+    q = torch.randn(B, 2, Tq, 8, device=device, requires_grad=True)
+    k = torch.randn(B, 2, Tk, 8, device=device, requires_grad=True)
+    v = torch.randn(B, 2, Tk, 8, device=device, requires_grad=True)
+    sinks = torch.randn(2, device=device) if with_sinks else None
+    lse_backend = "reference" if backend == "torch" else backend  # SDPA has no lse
+    out, lse = fusedattn.attention(q, k, v, sinks=sinks, return_lse=True, backend=lse_backend)
+    out = fusedattn.attention(q, k, v, sinks=sinks, backend=backend)
+    assert out.shape == (B, 2, Tq, 8) and (out == 0).all()
+    expect = float("-inf") if sinks is None else sinks[None, :, None].expand(B, 2, Tq)
+    torch.testing.assert_close(
+        lse, torch.full((B, 2, Tq), float("-inf"), device=device) if sinks is None else expect
+    )
+    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert g is None or (g.shape == t.shape and (g == 0).all())

@@ -73,7 +73,171 @@ def test_gpt2_greedy_generation_with_a_kv_cache_matches_sdpa():
     assert counts[("attention", "torch")] >= 2 * 6  # prefill + decoding steps, two layers
 
 
-def test_softcap_is_refused_clearly():
+# ---- sliding window (Mistral), softcap (Gemma 2), sinks (GPT-OSS): against HF's eager path ----
+
+
+def mistral_config():
+    return transformers.MistralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+
+
+def gemma2_config():
+    return transformers.Gemma2Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
+        attn_logit_softcapping=1.5, query_pre_attn_scalar=8, max_position_embeddings=64,
+        initializer_range=0.5,  # scores large enough for the cap to bite
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+
+
+def gpt_oss_config():
+    return transformers.GptOssConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        experts_implementation="eager",  # grouped_mm has no float64 (the truth model)
+    )  # fmt: skip
+
+
+VARIANT_MODELS = [mistral_config, gemma2_config, gpt_oss_config]
+CPU_BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.kernels)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered_triton():
+    hf.register("fusedattn-triton", backend="triton")
+
+
+def causal_lm(config, implementation, state=None):
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation
+    )
+    if state is not None:
+        model.load_state_dict(state)
+    return model.eval()
+
+
+def eager_twin(config):
+    torch.manual_seed(0)
+    eager = causal_lm(config, "eager")
+    with torch.no_grad():  # make the sinks matter (HF initialises them to a constant)
+        for name, p in eager.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
+    return eager
+
+
+def padded_batch(T=12, side="left"):
+    """Two sequences, the second padded by 3 on `side` (left, as for generation; right keeps
+    every query row seeing a key, which HF's eager path needs in float64: its mask of
+    finfo.min overflows to -inf there and gives NaN)."""
+    ids = torch.randint(3, 100, (2, T))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, slice(0, 3) if side == "left" else slice(T - 3, T)] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("config", VARIANT_MODELS, ids=lambda c: c.__name__[:-7])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_variant_models_logits_and_gradients_match_eager(config, backend, padded):
+    """Logits and every parameter gradient of Mistral (sliding window), Gemma 2 (softcap +
+    sliding window) and GPT-OSS (sinks + sliding window) against HF's eager attention in
+    float64, under the k× rule for models; the variants reach fusedattn's kernels."""
+    eager = eager_twin(config())
+    ours = causal_lm(config(), f"fusedattn-{backend}", eager.state_dict())
+    truth = causal_lm(config(), "eager", eager.state_dict()).double()
+    ids, mask = padded_batch(side="right")
+    if not padded:
+        mask = torch.ones_like(mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for name, model in (("ours", ours), ("truth", truth), ("base", eager)):
+        model.zero_grad()
+        with count_dispatches() as counts:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outs[name] = out.logits, {n: p.grad for n, p in model.named_parameters()}, counts
+    assert outs["ours"][2][("attention", backend)] == 2  # one per layer
+    assert_close_kx(outs["ours"][0], outs["truth"][0], outs["base"][0], k=3.0)
+    for name, grad in outs["ours"][1].items():
+        assert_close_kx(grad, outs["truth"][1][name], outs["base"][1][name], k=3.0, name=name)
+
+
+@pytest.mark.parametrize("config", VARIANT_MODELS, ids=lambda c: c.__name__[:-7])
+def test_variant_models_greedy_generation_matches_eager(config):
+    eager = eager_twin(config())
+    ours = causal_lm(config(), "fusedattn-reference", eager.state_dict())
+    ids, mask = padded_batch(8)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_sliding_window_reaches_the_kernels_as_a_window_not_a_dense_mask(monkeypatch):
+    """Unpadded Mistral: HF's sliding-window mask is left to the kernels (window_size =
+    (sliding_window - 1, 0), bottom-right, no attn_mask); with padding the dense mask holds
+    the whole pattern."""
+    calls = []
+    real = hf.attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((attn_mask is None, kw.get("window_size"), kw.get("is_causal")))
+        return real(q, k, v, attn_mask, **kw)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    model = causal_lm(mistral_config(), "fusedattn-reference")
+    ids, mask = padded_batch()
+    model(input_ids=ids)
+    assert calls == [(True, (4, 0), True)] * 2
+    calls.clear()
+    model(input_ids=ids, attention_mask=mask)
+    assert calls == [(False, None, False)] * 2
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_packed_sequences_run_as_varlen_and_match_each_sequence_alone(backend):
+    """cu_seq_lens_q/k and max_length_q/k (DataCollatorWithFlattening's flash-attention
+    kwargs) run fusedattn.varlen_attention: the logits of three packed sequences equal those
+    of each sequence run alone through HF's eager attention."""
+    eager = eager_twin(gpt_oss_config())
+    ours = causal_lm(gpt_oss_config(), f"fusedattn-{backend}", eager.state_dict())
+    lengths = [5, 9, 3]
+    seqs = [torch.randint(3, 100, (1, n)) for n in lengths]
+    ids = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    with count_dispatches() as counts:
+        got = ours(input_ids=ids, position_ids=position_ids, **kw).logits
+    assert counts[("varlen_attention", backend)] == 2
+    want = torch.cat([eager(input_ids=s).logits for s in seqs], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_keywords_are_refused_not_dropped():
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="softcap"):
-        hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="does not understand head_mask"):
+        hf.attention_forward(module, q, q, q, None, head_mask=torch.ones(2))
+    with pytest.raises(ValueError, match="output_attentions"):
+        hf.attention_forward(module, q, q, q, None, output_attentions=True)
+    out, _ = hf.attention_forward(module, q, q, q, None, position_ids=torch.arange(3)[None],
+                                  use_cache=True, head_mask=None)  # fmt: skip
+    assert out.shape == (1, 3, 2, 8)
+
+
+def test_sinks_and_softcap_change_the_result():
+    """s_aux and softcap are applied (s_aux was silently dropped before)."""
+    q = torch.randn(1, 2, 3, 8) * 3
+    module = torch.nn.Module()
+    plain, _ = hf.attention_forward(module, q, q, q, None, backend="reference")
+    sinks, _ = hf.attention_forward(
+        module, q, q, q, None, s_aux=torch.randn(2), backend="reference"
+    )
+    capped, _ = hf.attention_forward(module, q, q, q, None, softcap=1.0, backend="reference")
+    assert not torch.allclose(plain, sinks) and not torch.allclose(plain, capped)

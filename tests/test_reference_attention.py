@@ -1,6 +1,7 @@
 """fusedattn.reference.attention against float64 math (torch's SDPA math path, an independent
 implementation) on hard shapes, every mask kind, GQA, lse, dropout and fully masked rows."""
 
+import itertools
 import math
 
 import pytest
@@ -157,3 +158,119 @@ def test_half_inputs_give_half_outputs_and_float32_lse():
     out, lse = reference.attention(q * 30, k * 30, v, return_lse=True)  # large scores
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+# ---- variants: against masks and sums built here, element by element ----------------------
+
+
+def loop_visibility(Tq, Tk, left, right, bottom_right):
+    """(Tq, Tk) bool of the window rule, one element at a time."""
+    offset = Tk - Tq if bottom_right else 0
+    visible = torch.zeros(Tq, Tk, dtype=torch.bool)
+    for i in range(Tq):
+        for j in range(Tk):
+            p = i + offset
+            visible[i, j] = (left < 0 or j >= p - left) and (right < 0 or j <= p + right)
+    return visible
+
+
+@pytest.mark.parametrize("Tq,Tk", [(7, 7), (5, 11), (11, 5)])
+@pytest.mark.parametrize("window", [(2, 1), (3, -1), (-1, 0), (0, 0), (-1, 2)], ids=str)
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_window_and_alignment_match_an_element_by_element_mask(Tq, Tk, window, alignment):
+    s = AttentionShape(B=2, Hq=2, Hkv=1, Tq=Tq, Tk=Tk, D=8, Dv=8)
+    q, k, v = make_qkv(s, F64, "cpu")
+    out, lse = reference.attention(q, k, v, enable_gqa=True, window_size=window,
+                                   causal_alignment=alignment, return_lse=True)  # fmt: skip
+    visible = loop_visibility(Tq, Tk, *window, alignment == "bottom_right")
+    torch.testing.assert_close(out, sdpa64(q, k, v, visible=visible))
+    dead = ~visible.any(-1)
+    assert (lse[:, :, dead] == float("-inf")).all() and torch.isfinite(lse[:, :, ~dead]).all()
+
+
+def test_is_causal_makes_the_right_side_zero_and_alignment_moves_it():
+    s = AttentionShape(B=1, Hq=2, Hkv=2, Tq=4, Tk=9, D=8, Dv=8)
+    q, k, v = make_qkv(s, F64, "cpu")
+    for alignment in ("top_left", "bottom_right"):
+        br = alignment == "bottom_right"
+        got = reference.attention(q, k, v, is_causal=True, window_size=(3, 5),
+                                  causal_alignment=alignment)  # fmt: skip
+        torch.testing.assert_close(got, sdpa64(q, k, v, visible=loop_visibility(4, 9, 3, 0, br)))
+        plain = reference.attention(q, k, v, is_causal=True, causal_alignment=alignment)
+        torch.testing.assert_close(
+            plain, sdpa64(q, k, v, visible=masks.causal_mask(4, 9, bottom_right=br))
+        )
+
+
+@pytest.mark.parametrize("slopes_shape", [(3,), (2, 3)], ids=str)
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_alibi_adds_minus_slope_times_distance(slopes_shape, alignment):
+    s = AttentionShape(B=2, Hq=3, Hkv=3, Tq=4, Tk=6, D=8, Dv=8)
+    q, k, v = make_qkv(s, F64, "cpu")
+    slopes = torch.rand(slopes_shape)
+    offset = 2 if alignment == "bottom_right" else 0
+    bias = torch.zeros(2, 3, 4, 6, dtype=F64)
+    for b, h, i, j in itertools.product(range(2), range(3), range(4), range(6)):
+        slope = slopes[h] if slopes.dim() == 1 else slopes[b, h]
+        bias[b, h, i, j] = -float(slope) * abs(i + offset - j)
+    got = reference.attention(q, k, v, alibi_slopes=slopes, causal_alignment=alignment)
+    torch.testing.assert_close(got, sdpa64(q, k, v, additive=bias))
+
+
+def test_softcap_caps_the_scaled_scores_before_the_masks():
+    s = AttentionShape(B=1, Hq=2, Hkv=2, Tq=5, Tk=6, D=8, Dv=8)
+    q, k, v = make_qkv(s, F64, "cpu")
+    q = q * 4  # scores well past the cap
+    bias = torch.randn(5, 6, dtype=F64)
+    got, lse = reference.attention(q, k, v, bias, is_causal=True, scale=0.7, softcap=2.0,
+                                   return_lse=True)  # fmt: skip
+    scores = 2.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.7 / 2.0) + bias
+    scores = scores.masked_fill(~masks.causal_mask(5, 6), float("-inf"))
+    torch.testing.assert_close(got, torch.softmax(scores, -1) @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float())
+
+
+def test_sinks_join_the_normaliser_and_rows_that_see_nothing_give_zero_and_the_sink():
+    s = AttentionShape(B=2, Hq=3, Hkv=3, Tq=4, Tk=5, D=8, Dv=8)
+    q, k, v = make_qkv(s, F64, "cpu", requires_grad=True)
+    sinks = torch.randn(3, dtype=F64, requires_grad=True)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees nothing
+    out, lse = reference.attention(q, k, v, key_padding_mask=kpm, sinks=sinks, return_lse=True)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+    scores = scores.masked_fill(kpm[:, None, None, :], float("-inf"))
+    norm = torch.exp(sinks)[None, :, None] + torch.exp(scores).sum(-1)
+    want = (torch.exp(scores) / norm[..., None]) @ v
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, torch.log(norm).float())
+    assert (out[1] == 0).all() and torch.equal(lse[1], sinks.detach().float()[:, None].expand(3, 4))
+    assert torch.autograd.gradcheck(
+        lambda q, sinks: reference.attention(q, k.detach(), v.detach(), sinks=sinks,
+                                             key_padding_mask=kpm),
+        (q, sinks),
+    )  # fmt: skip
+
+
+def test_varlen_matches_each_sequence_padded_into_a_batch():
+    lengths_q, lengths_k = [3, 0, 7, 5], [4, 6, 7, 1]
+    cu_q = torch.tensor([0, *itertools.accumulate(lengths_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lengths_k)], dtype=torch.int32)
+    q = torch.randn(sum(lengths_q), 4, 8, dtype=F64)
+    k = torch.randn(sum(lengths_k), 2, 8, dtype=F64)
+    v = torch.randn(sum(lengths_k), 2, 6, dtype=F64)
+    kw = dict(is_causal=True, causal_alignment="bottom_right", window_size=(3, -1), enable_gqa=True)
+    out, lse = reference.varlen_attention(q, k, v, cu_q, cu_k, 7, 7, return_lse=True, **kw)
+    assert out.shape == (15, 4, 6) and lse.shape == (4, 15)
+    # Pad every sequence to (B, H, 7, D) and hide the padding keys; each sequence's own
+    # bottom-right offset comes from an explicit per-sequence mask.
+    for b in range(4):
+        qs = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)[None]
+        ks = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)[None]
+        vs = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)[None]
+        visible = loop_visibility(lengths_q[b], lengths_k[b], 3, 0, True)
+        want = (
+            sdpa64(qs, ks, vs, visible=visible)
+            if lengths_k[b]
+            else torch.zeros(1, 4, lengths_q[b], 6, dtype=F64)
+        )
+        torch.testing.assert_close(out[cu_q[b] : cu_q[b + 1]], want[0].transpose(0, 1))

@@ -109,3 +109,48 @@ def test_softmax_float_mask_keeps_input_dtype():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     out = fusedattn.softmax(x, mask=torch.randn(4, 8), backend="torch")
     assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
+)
+@pytest.mark.parametrize("mask_shape", [(1, 1, 1, 1), (2, 3, 17, 1)], ids=str)
+def test_bias_constant_over_keys_gets_a_zero_gradient_in_any_mask_dtype(
+    backend, mask_shape, device
+):
+    """fp32 inputs with a bf16 bias and key padding: the bias's exact gradient is 0. Merged
+    in the mask's own dtype, the broadcast's gradient was summed in bf16 (0.22 instead of 0)."""
+    s = AttentionShape(B=2, Hq=3, Hkv=3, Tq=17, Tk=33, D=16, Dv=16)
+    q, k, v = make_qkv(s, torch.float32, device)
+    bias = torch.randn(mask_shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+    kpm = torch.zeros(2, 33, dtype=torch.bool, device=device)
+    kpm[1, 20:] = True
+    out = fusedattn.attention(q, k, v, bias, key_padding_mask=kpm, backend=backend)
+    (grad,) = torch.autograd.grad(out, bias, torch.randn_like(out))
+    assert grad.dtype == torch.bfloat16 and grad.abs().max().item() < 1e-4
+
+
+def test_attention_edge_cases_of_sdpa():
+    """Causal with a scale <= 0 (SDPA's CPU kernel gave NaN), masks of 0 or 1 dims (they
+    broadcast; SDPA crashed on them), and a NaN in a padded key (it leaked into every row)."""
+    s = AttentionShape(B=2, Hq=2, Hkv=2, Tq=6, Tk=6, D=8, Dv=8)
+    q, k, v = make_qkv(s, torch.float32, "cpu")
+    for scale in (0.0, -0.5):
+        got = fusedattn.attention(q, k, v, is_causal=True, scale=scale, backend="torch")
+        want = reference.attention(q.double(), k.double(), v.double(), is_causal=True, scale=scale)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for mask in (torch.tensor(True), torch.rand(6) > 0.3, torch.randn(()), torch.randn(6)):
+        got = fusedattn.attention(q, k, v, mask, backend="torch")
+        want = reference.attention(
+            q.double(), k.double(), v.double(), mask if mask.dtype == torch.bool else mask.double()
+        )
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[:, 4:] = True
+    kn, vn = k.clone(), v.clone()
+    kn[:, :, 4], vn[:, :, 5] = float("nan"), float("nan")
+    for backend in ("torch", "reference"):
+        got = fusedattn.attention(q, kn, vn, key_padding_mask=kpm, backend=backend)
+        torch.testing.assert_close(
+            got, fusedattn.attention(q, k, v, key_padding_mask=kpm, backend=backend)
+        )

@@ -1,13 +1,23 @@
 """Flash attention in Triton: forward (online softmax, O(T) memory, log-sum-exp saved) and a
-deterministic backward (dk/dv by key block, dq by query block, no atomics).
+deterministic backward (dk/dv by key block, dq by query block, no atomics), with the variants
+in the kernels: key windows (causal is the window (-1, 0)), top-left or bottom-right
+alignment, softcap, ALiBi, attention sinks and packed variable-length batches.
 
 Layouts: q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) with any strides and a unit
-last stride; GQA maps q head h to kv head h // (Hq / Hkv). Masks, each optional: an attn_mask
-read through its broadcast strides (bool: True keeps; float: added to the scaled scores),
-key padding (B, Tk) bool (True = padding), causal top-left (key j for query i when j <= i).
-Scores are kept in the log2 domain (scaled by log2(e)) so the kernels use exp2. A query row
-that sees no key gets output 0, lse -inf and zero gradients. Offsets are 64-bit; the B*H
-programs ride grid axis 0 (2^31 - 1), query/key blocks axis 1.
+last stride; GQA maps q head h to kv head h // (Hq / Hkv). Packed (varlen) batches are the
+same kernels with batch strides 0 and each sequence's rows read from cu_seqlens. Masks, each
+optional: an attn_mask read through its broadcast strides (bool: True keeps; float: added to
+the scores), key padding (B, Tk) bool (True = padding), and the positional window: query i
+sits at key position p = i (+ Tk - Tq when bottom-right) and sees key j iff
+p - left <= j <= p + right (a side of -1 is unbounded).
+
+Key tiles outside a query block's window are never visited; inside it, the tiles that every
+row of the block sees in full run without the positional mask (an unmasked interior loop
+between two masked boundary loops). Scores are kept in the log2 domain (scaled by log2(e)) so
+the kernels use exp2. A query row that sees no key gets output 0, lse -inf (the sink logit
+with sinks) and zero gradients. Offsets are 64-bit; every kernel runs on one flattened grid
+axis (2^31 - 1 programs), the blocks of one head adjacent so its K/V stay in L2, and causal
+query blocks longest first.
 """
 
 from __future__ import annotations
@@ -16,32 +26,50 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
-class AttentionConfig:
+class Tiles:
+    """One kernel's tiling: query rows and keys per tile, warps, pipeline stages."""
+
     block_m: int
     block_n: int
-    block_d: int
-    block_dv: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Head-dim blocks (powers of two, masked past D/Dv) and each kernel's tiles: forward,
+    dk/dv (a key block against query tiles), dq (a query block against key tiles)."""
+
+    block_d: int
+    block_dv: int
+    fwd: Tiles
+    dkdv: Tiles
+    dq: Tiles
 
 
 def attention_config(D: int, Dv: int, on_gpu: bool) -> AttentionConfig:
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
     fast and cross several blocks. GPU tiles are a safe starting point for sm_80/sm_90
     (64x64, 4 warps, 2 stages; 32-wide key tiles past D=128 to stay in registers) until the
-    Hopper benchmarks of issue #3 tune them."""
+    Hopper tuning of issue #12 (scripts/tune_triton_attention.py) measures others."""
     bd = max(16, triton.next_power_of_2(D))
     bdv = max(16, triton.next_power_of_2(Dv))
     if not on_gpu:
-        return AttentionConfig(32, 32, bd, bdv, 1, 1)
+        cpu = Tiles(32, 32, 1, 1)
+        return AttentionConfig(bd, bdv, cpu, cpu, cpu)
     block_n = 64 if max(bd, bdv) <= 128 else 32
-    return AttentionConfig(64, block_n, bd, bdv, 4, 2)
+    gpu = Tiles(64, block_n, 4, 2)
+    return AttentionConfig(bd, bdv, gpu, gpu, gpu)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -56,244 +84,536 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dropout(p, SEED, dropout_p, bh, rows, cols, Tq, Tk):
-    """Keep each probability with chance 1 - dropout_p, scaled by 1 / (1 - dropout_p). The
-    Philox stream is indexed by (batch*head, query, key) with 64-bit offsets, so the backward
-    regenerates exactly the forward's mask from the same seed."""
-    offsets = (bh * Tq + rows[:, None]) * Tk + cols[None, :]
-    keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-    return tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+def _tanh(x, INTERPRETED: tl.constexpr):
+    """tanh to fp32 accuracy: libdevice on a GPU. The CPU interpreter has no libdevice, so
+    there it is 1 - 2 / (exp(2x) + 1) in fp64 (fp64 keeps that form accurate near 0)."""
+    if INTERPRETED:
+        e = tl.exp(2.0 * x.to(tl.float64))
+        return (1.0 - 2.0 / (e + 1.0)).to(tl.float32)
+    return libdevice.tanh(x)
 
 
 @triton.jit
-def _masked_scores(
-    s, rows, cols, b, h, Tq, Tk, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
+def _keep_scale(SEED, dropout_p, bh, qi, kj, Tq, Tk):
+    """The dropout factor of each (query qi, key kj) pair: 0 or 1 / (1 - dropout_p). The
+    Philox stream is indexed by (batch*head, query, key) with 64-bit offsets (the CUDA backend
+    draws the same stream), so the backward regenerates exactly the forward's mask; qi and kj
+    are broadcast to the tile in either orientation."""
+    offsets = (bh * Tq + qi.to(tl.int64)) * Tk + kj
+    keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
+    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def _seq_bounds(b, CU_Q, CU_K, Tq, Tk, VARLEN: tl.constexpr):
+    """(first row, length) of sequence b's queries and keys: the whole (padded) batch row, or
+    its slice of a packed batch."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + b).to(tl.int64)
+        k_start = tl.load(CU_K + b).to(tl.int64)
+        q_len = (tl.load(CU_Q + b + 1) - tl.load(CU_Q + b)).to(tl.int32)
+        k_len = (tl.load(CU_K + b + 1) - tl.load(CU_K + b)).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
+        q_len = Tq
+        k_len = Tk
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _tile_scores(
+    qk, qi, kj, b, h, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
+    MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """Apply every mask to a (BLOCK_M, BLOCK_N) tile of log2-domain scores: -inf where a key
-    is hidden (or out of range); a float mask is added (times log2 e)."""
-    keep = (cols < Tk)[None, :] & (rows < Tq)[:, None]
-    if IS_CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None])
+    """log2-domain scores of a tile from its raw product qk = q·k (either orientation: qi and
+    kj are the query and key indices broadcast to the tile's shape), and t = tanh(s / softcap)
+    (the softcap's derivative is 1 - t^2; t is qk itself without softcap).
+
+    scale, then softcap, then ALiBi (-slope·|p - j|) and the float mask are added; -inf where a
+    key is hidden: key padding, a bool mask, and with POSITIONAL the window and the sequence
+    bounds (interior tiles skip those: every row of the tile sees every key of it)."""
+    t = qk
+    if SOFTCAP:
+        t = _tanh(qk * (scale / softcap), INTERPRETED)
+        s = t * (softcap * 1.4426950408889634)
+    else:
+        s = qk * (scale * 1.4426950408889634)
+    if HAS_ALIBI:
+        s -= slope2 * tl.abs((qi + offset - kj).to(tl.float32))
+    if POSITIONAL:
+        keep = (qi < q_len) & (kj < k_len)
+        if HAS_RIGHT:
+            keep = keep & (kj <= qi + offset + window_right)
+        if HAS_LEFT:
+            keep = keep & (kj >= qi + offset - window_left)
+        s = tl.where(keep, s, float("-inf"))
     if HAS_KPM:
-        pad = tl.load(KPM + b * skp_b + cols, mask=cols < Tk, other=1)
-        keep = keep & (pad == 0)[None, :]
+        pad = tl.load(KPM + b * skp_b + kj, mask=kj < k_len, other=1)
+        s = tl.where(pad == 0, s, float("-inf"))
     if HAS_MASK:
         m = tl.load(
-            MASK + b * sm_b + h * sm_h + rows[:, None] * sm_q + cols[None, :] * sm_k,
-            mask=(rows < Tq)[:, None] & (cols < Tk)[None, :],
+            MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k,
+            mask=(qi < q_len) & (kj < k_len),
             other=0,
         )
         if MASK_IS_BOOL:
-            keep = keep & (m != 0)
+            s = tl.where(m != 0, s, float("-inf"))
         else:
             s = s + m.to(tl.float32) * 1.4426950408889634
-    return tl.where(keep, s, float("-inf"))
+    return s, t
 
 
 @triton.jit
-def attention_fwd(
-    Q, K, V, Out, LSE, MASK, KPM, SEED,
-    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-    sm_b, sm_h, sm_q, sm_k, skp_b,
-    H, Tq, Tk, D, Dv, group, scale, dropout_p,
+def _key_range(start_m, q_len, k_len, offset, window_left, window_right,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """Key tiles of the query block at start_m: [lo, hi) holds every key some row sees (lo a
+    multiple of BLOCK_N); [mid_lo, mid_hi) the full tiles that every row sees whole. Empty
+    when the block starts past the sequence."""
+    p_first = start_m + offset
+    p_last = tl.minimum(start_m + BLOCK_M, q_len) - 1 + offset
+    lo = 0
+    hi = k_len
+    full_lo = 0
+    full_hi = k_len
+    if HAS_LEFT:
+        lo = tl.maximum(p_first - window_left, 0)
+        full_lo = tl.maximum(p_last - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(p_last + window_right + 1, k_len)
+        full_hi = tl.minimum(p_first + window_right + 1, k_len)
+    hi = tl.where(start_m < q_len, hi, 0)
+    lo = tl.minimum(lo // BLOCK_N * BLOCK_N, tl.maximum(hi, 0))
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, q_len, k_len, offset, window_left, window_right,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """Query tiles that see the key block at start_n: [lo, hi) holds every row that sees some
+    of its keys (lo a multiple of BLOCK_M); [mid_lo, mid_hi) the full query tiles whose rows
+    all see every key of the block (none when the key block is cut by the sequence end)."""
+    k_last = tl.minimum(start_n + BLOCK_N, k_len) - 1
+    lo = 0
+    hi = q_len
+    full_lo = 0
+    full_hi = q_len
+    if HAS_RIGHT:  # row i sees key j only if j <= i + offset + right
+        lo = tl.maximum(start_n - window_right - offset, 0)
+        full_lo = tl.maximum(k_last - window_right - offset, 0)
+    if HAS_LEFT:  # ... and j >= i + offset - left
+        hi = tl.minimum(k_last + window_left - offset + 1, q_len)
+        full_hi = tl.minimum(start_n + window_left - offset + 1, q_len)
+    hi = tl.where(start_n < k_len, hi, 0)
+    full_hi = tl.where(start_n + BLOCK_N <= k_len, full_hi, 0)
+    lo = tl.minimum(lo // BLOCK_M * BLOCK_M, tl.maximum(hi, 0))
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _grid_block(pid, num_blocks, LONGEST_FIRST: tl.constexpr):
+    """(batch*head, block) of a flattened program id: the blocks of one head are adjacent,
+    and with LONGEST_FIRST (a right window bound, as causal) the last query blocks, which
+    see the most keys, start first."""
+    bh = pid // num_blocks
+    blk = pid % num_blocks
+    if LONGEST_FIRST:
+        blk = num_blocks - 1 - blk
+    return bh.to(tl.int64), blk
+
+
+# ---- forward ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
+    b, h, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
+    MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    hk = h // group
-    start_m = tl.program_id(1) * BLOCK_M
-    rows = (start_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * sq_b + h * sq_h + rows[:, None] * sq_t + d[None, :],
-        mask=(rows < Tq)[:, None] & (d < D)[None, :],
-        other=0.0,
-    )
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    end_n = Tk
-    if IS_CAUSAL:  # key blocks right of the diagonal are fully masked: never visited
-        end_n = tl.minimum(Tk, start_m + BLOCK_M)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        kt = tl.load(
-            K + b * sk_b + hk * sk_h + cols[None, :] * sk_t + d[:, None],
-            mask=(cols < Tk)[None, :] & (d < D)[:, None],
-            other=0.0,
-        )
-        s = _dot(q, kt, PRECISION, DOT_IN_FP32) * qk_scale
-        s = _masked_scores(s, rows, cols, b, h, Tq, Tk, MASK, KPM, sm_b, sm_h, sm_q, sm_k,
-                           skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM, IS_CAUSAL)  # fmt: skip
+    """The online-softmax update of key tiles [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None],
+                     mask=(cols < k_len)[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        s, _ = _tile_scores(
+            _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
+            k_len, offset, slope2, scale, softcap, window_left, window_right,
+            MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            V + b * sv_b + hk * sv_h + cols[:, None] * sv_t + dv[None, :],
-            mask=(cols < Tk)[:, None] & (dv < Dv)[None, :],
-            other=0.0,
-        )
+        v_keep = (cols < k_len)[:, None] & (dv < Dv)[None, :]
+        if HAS_KPM:  # a padded key never contributes, even a NaN in its value
+            pad = tl.load(KPM + b * skp_b + cols, mask=cols < k_len, other=1)
+            v_keep = v_keep & (pad == 0)[:, None]
+        v = tl.load(V_head + cols[:, None].to(tl.int64) * sv_t + dv[None, :], mask=v_keep,
+                    other=0.0)  # fmt: skip
         if DROPOUT:  # the normaliser l_i keeps the undropped mass
-            p = _dropout(p, SEED, dropout_p, bh, rows, cols, Tq, Tk)
+            p = p * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd(
+    Q, K, V, Out, LSE, MASK, KPM, SEED, SLOPES, SINKS, CU_Q, CU_K,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, slse_b, slse_h,
+    sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
+    H, Tq, Tk, D, Dv, group, num_m_blocks, scale, softcap, window_left, window_right,
+    dropout_p,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
+    b = bh // H
+    h = bh % H
+    hk = h // group
+    q_start, q_len, k_start, k_len = _seq_bounds(b, CU_Q, CU_K, Tq, Tk, VARLEN)
+    offset = 0
+    if BOTTOM_RIGHT:
+        offset = k_len - q_len
+    start_m = m_blk * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    row_ptr = (q_start + rows).to(tl.int64)
+    q = tl.load(Q + b * sq_b + h * sq_h + row_ptr[:, None] * sq_t + d[None, :],
+                mask=(rows < q_len)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink joins the normaliser as one more logit of value 0
+        sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.full([BLOCK_M], 1.0, tl.float32) * sink2
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    K_head = K + b * sk_b + hk * sk_h + k_start * sk_t
+    V_head = V + b * sv_b + hk * sv_h + k_start * sv_t
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, q_len, k_len, offset, window_left,
+                                        window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
+    for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
+        if part == 0:
+            first, last = lo, mid_lo
+        elif part == 1:
+            first, last = mid_lo, mid_hi
+        else:
+            first, last = mid_hi, hi
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
+            b, h, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
+            MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
+            HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+            part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        Out + b * so_b + h * so_h + rows[:, None] * so_t + dv[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=(rows < Tq)[:, None] & (dv < Dv)[None, :],
-    )
+    tl.store(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None] & (dv < Dv)[None, :])  # fmt: skip
     seen = l_i > 0.0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
-    tl.store(LSE + bh * Tq + rows, lse, mask=rows < Tq)
+    tl.store(LSE + b * slse_b + h * slse_h + row_ptr, lse, mask=rows < q_len)
+
+
+# ---- backward --------------------------------------------------------------------------------
 
 
 @triton.jit
 def attention_bwd_delta(
-    Out, DO, DELTA, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, H, Tq, Dv,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Out, DO, DELTA, CU_Q, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, slse_b, slse_h,
+    H, Tq, Dv, num_m_blocks,
+    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """delta = rowsum(dO * O), the softmax-backward correction term, fp32 (B, H, Tq)."""
-    bh = tl.program_id(0).to(tl.int64)
+    """delta = rowsum(dO * O), the softmax-backward correction term, fp32, laid out as lse."""
+    bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, False)
     b = bh // H
     h = bh % H
-    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    q_start, q_len, _, _ = _seq_bounds(b, CU_Q, CU_Q, Tq, Tq, VARLEN)
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ptr = (q_start + rows).to(tl.int64)
     dv = tl.arange(0, BLOCK_DV)
-    inb = (rows < Tq)[:, None] & (dv < Dv)[None, :]
-    o = tl.load(Out + b * so_b + h * so_h + rows[:, None] * so_t + dv[None, :], mask=inb, other=0.0)
-    do = tl.load(DO + b * sdo_b + h * sdo_h + rows[:, None] * sdo_t + dv[None, :], mask=inb,
+    inb = (rows < q_len)[:, None] & (dv < Dv)[None, :]
+    o = tl.load(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :], mask=inb,
+                other=0.0)  # fmt: skip
+    do = tl.load(DO + b * sdo_b + h * sdo_h + row_ptr[:, None] * sdo_t + dv[None, :], mask=inb,
                  other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh * Tq + rows, delta, mask=rows < Tq)
+    tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=rows < q_len)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi, cols, d, dv,
+    b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
+    MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """dk, dv contributions of query tiles [lo, hi), computed transposed (Sᵀ = K·Qᵀ, keys
+    along rows) so that Pᵀ and dSᵀ feed the dk/dv products without register transposes."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        inb = rows < q_len
+        row_ptr = rows.to(tl.int64)
+        qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None],
+                     mask=inb[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
+                     mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+        # rows that saw no key (and rows past the end) have lse -inf: p must be exactly 0
+        lse = tl.load(LSE_head + row_ptr, mask=inb, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(DELTA_head + row_ptr, mask=inb, other=0.0)
+        st, t = _tile_scores(
+            _dot(k, qt, PRECISION, DOT_IN_FP32), rows[None, :], cols[:, None], b, h, q_len,
+            k_len, offset, slope2, scale, softcap, window_left, window_right,
+            MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED,
+        )  # fmt: skip
+        pt = tl.exp2(st - lse2[None, :])
+        dpt = _dot(v, tl.trans(do), PRECISION, DOT_IN_FP32)
+        pt_used = pt
+        if DROPOUT:  # the forward's mask again: 0 or 1 / (1 - dropout_p) per entry
+            kept = _keep_scale(SEED, dropout_p, bhq, rows[None, :], cols[:, None], Tq, Tk)
+            pt_used = pt * kept
+            dpt = dpt * kept
+        dv_acc += _dot(pt_used.to(do.dtype), do, PRECISION, DOT_IN_FP32)
+        dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = dst * (1.0 - t * t)
+        dk += _dot(dst.to(qt.dtype), tl.trans(qt), PRECISION, DOT_IN_FP32)
+    return dk, dv_acc
 
 
 @triton.jit
 def attention_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM, SEED, SLOPES, CU_Q, CU_K,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
-    sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
-    sm_b, sm_h, sm_q, sm_k, skp_b,
-    H, Hkv, Tq, Tk, D, Dv, group, scale, dropout_p,
+    sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, slse_b, slse_h,
+    sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
+    H, Hkv, Tq, Tk, D, Dv, group, num_n_blocks, scale, softcap, window_left, window_right,
+    dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """dk, dv of one key block of one kv head, summed over the q heads of its group in a fixed
     order (deterministic GQA)."""
-    bhk = tl.program_id(0).to(tl.int64)
+    bhk, n_blk = _grid_block(tl.program_id(0), num_n_blocks, False)
     b = bhk // Hkv
     hk = bhk % Hkv
-    start_n = tl.program_id(1) * BLOCK_N
-    cols = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+    q_start, q_len, k_start, k_len = _seq_bounds(b, CU_Q, CU_K, Tq, Tk, VARLEN)
+    offset = 0
+    if BOTTOM_RIGHT:
+        offset = k_len - q_len
+    start_n = n_blk * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    col_ptr = (k_start + cols).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_t + d[None, :],
-                mask=(cols < Tk)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_t + dv[None, :],
-                mask=(cols < Tk)[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+    k = tl.load(K + b * sk_b + hk * sk_h + col_ptr[:, None] * sk_t + d[None, :],
+                mask=(cols < k_len)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    v_keep = (cols < k_len)[:, None] & (dv < Dv)[None, :]
+    if HAS_KPM:  # padded keys: never read (a NaN there must not reach dk/dv of others)
+        pad = tl.load(KPM + b * skp_b + cols, mask=cols < k_len, other=1)
+        v_keep = v_keep & (pad == 0)[:, None]
+    v = tl.load(V + b * sv_b + hk * sv_h + col_ptr[:, None] * sv_t + dv[None, :], mask=v_keep,
+                other=0.0)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dvacc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    begin_m = 0
-    if IS_CAUSAL:  # query blocks above the diagonal see none of these keys
-        begin_m = (start_n // BLOCK_M) * BLOCK_M
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_range(start_n, q_len, k_len, offset, window_left,
+                                          window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
     for g in range(0, group):
         h = hk * group + g
-        for start_m in range(begin_m, Tq, BLOCK_M):
-            rows = (start_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-            q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_t + d[None, :],
-                        mask=(rows < Tq)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-            do = tl.load(DO + b * sdo_b + h * sdo_h + rows[:, None] * sdo_t + dv[None, :],
-                         mask=(rows < Tq)[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
-            lse = tl.load(LSE + (b * H + h) * Tq + rows, mask=rows < Tq, other=float("-inf"))
-            delta = tl.load(DELTA + (b * H + h) * Tq + rows, mask=rows < Tq, other=0.0)
-            s = _dot(q, tl.trans(k), PRECISION, DOT_IN_FP32) * qk_scale
-            s = _masked_scores(s, rows, cols, b, h, Tq, Tk, MASK, KPM, sm_b, sm_h, sm_q, sm_k,
-                               skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM, IS_CAUSAL)  # fmt: skip
-            # rows that saw no key have lse -inf: make their probabilities exactly 0
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            p = tl.exp2(s - lse2[:, None])
-            dp = _dot(do, tl.trans(v), PRECISION, DOT_IN_FP32)
-            p_used = p
-            if DROPOUT:  # the forward's mask again: 0 or 1 / (1 - dropout_p) per entry
-                kept = _dropout(tl.full(p.shape, 1.0, tl.float32), SEED, dropout_p, b * H + h,
-                                rows, cols, Tq, Tk)  # fmt: skip
-                p_used = p * kept
-                dp = dp * kept
-            dvacc += _dot(tl.trans(p_used.to(do.dtype)), do, PRECISION, DOT_IN_FP32)
+        bhq = b * H + h
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
+        Q_head = Q + b * sq_b + h * sq_h + q_start * sq_t
+        DO_head = DO + b * sdo_b + h * sdo_h + q_start * sdo_t
+        LSE_head = LSE + b * slse_b + h * slse_h + q_start
+        DELTA_head = DELTA + b * slse_b + h * slse_h + q_start
+        for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
+            if part == 0:
+                first, last = lo, mid_lo
+            elif part == 1:
+                first, last = mid_lo, mid_hi
+            else:
+                first, last = mid_hi, hi
+            dk, dv_acc = _dkdv_tiles(
+                dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
+                last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap,
+                window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D,
+                Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED,
+                BLOCK_M,
+            )  # fmt: skip
+    tl.store(DK + b * sdk_b + hk * sdk_h + col_ptr[:, None] * sdk_t + d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=(cols < k_len)[:, None] & (d < D)[None, :])  # fmt: skip
+    tl.store(DV + b * sdv_b + hk * sdv_h + col_ptr[:, None] * sdv_t + dv[None, :],
+             dv_acc.to(DV.dtype.element_ty), mask=(cols < k_len)[:, None] & (dv < Dv)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _dq_tiles(
+    dq, delta_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
+    DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap,
+    window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
+    dropout_p,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
+    DELTA_PASS: tl.constexpr, MASK_GRAD: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dq contributions of key tiles [lo, hi); with DELTA_PASS only the exact
+    delta = rowsum(P ∘ dP) (for the float-mask gradient: rowsum(dO ∘ O) from the rounded O
+    is off by the output's rounding, 5x the rule's bound in bf16). With MASK_GRAD, dS is also
+    written into the dense fp32 score-gradient buffer (each element once)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ptr = cols[None, :].to(tl.int64)
+        kt = tl.load(K_head + col_ptr * sk_t + d[:, None],
+                     mask=(cols < k_len)[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        v_keep = (cols < k_len)[None, :] & (dv < Dv)[:, None]
+        if HAS_KPM:
+            pad = tl.load(KPM + b * skp_b + cols, mask=cols < k_len, other=1)
+            v_keep = v_keep & (pad == 0)[None, :]
+        vt = tl.load(V_head + col_ptr * sv_t + dv[:, None], mask=v_keep, other=0.0)
+        s, t = _tile_scores(
+            _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
+            k_len, offset, slope2, scale, softcap, window_left, window_right,
+            MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED,
+        )  # fmt: skip
+        p = tl.exp2(s - lse2[:, None])
+        dp = _dot(do, vt, PRECISION, DOT_IN_FP32)
+        if DROPOUT:
+            dp = dp * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
+        if DELTA_PASS:
+            delta_sum += tl.sum(p * dp, axis=1)
+        else:
             ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, DOT_IN_FP32)
-    tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None] * sdk_t + d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=(cols < Tk)[:, None] & (d < D)[None, :])  # fmt: skip
-    tl.store(DV + b * sdv_b + hk * sdv_h + cols[:, None] * sdv_t + dv[None, :],
-             dvacc.to(DV.dtype.element_ty), mask=(cols < Tk)[:, None] & (dv < Dv)[None, :])  # fmt: skip
+            if MASK_GRAD:
+                tl.store(DMASK_row + rows[:, None].to(tl.int64) * Tk_dense + cols[None, :], ds,
+                         mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])  # fmt: skip
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, DOT_IN_FP32)
+    return dq, delta_sum
 
 
 @triton.jit
 def attention_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, SEED, SLOPES, CU_Q, CU_K,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
-    sdq_b, sdq_h, sdq_t,
-    sm_b, sm_h, sm_q, sm_k, skp_b,
-    H, Tq, Tk, D, Dv, group, scale, dropout_p,
+    sdq_b, sdq_h, sdq_t, slse_b, slse_h,
+    sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
+    H, Tq, Tk, D, Dv, group, num_m_blocks, scale, softcap, window_left, window_right,
+    dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """dq of one query block; with MASK_GRAD also dS, the gradient of the float mask, into a
-    dense (B, H, Tq, Tk) fp32 buffer (each element written once: deterministic)."""
-    bh = tl.program_id(0).to(tl.int64)
+    dense (B, H, Tq, Tk) fp32 buffer (padded batches only), with delta summed exactly first."""
+    bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
     hk = h // group
-    start_m = tl.program_id(1) * BLOCK_M
-    rows = (start_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+    q_start, q_len, k_start, k_len = _seq_bounds(b, CU_Q, CU_K, Tq, Tk, VARLEN)
+    offset = 0
+    if BOTTOM_RIGHT:
+        offset = k_len - q_len
+    start_m = m_blk * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ptr = (q_start + rows).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_t + d[None, :],
-                mask=(rows < Tq)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    do = tl.load(DO + b * sdo_b + h * sdo_h + rows[:, None] * sdo_t + dv[None, :],
-                 mask=(rows < Tq)[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
-    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=float("-inf"))
-    delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    inb = rows < q_len
+    q = tl.load(Q + b * sq_b + h * sq_h + row_ptr[:, None] * sq_t + d[None, :],
+                mask=inb[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    do = tl.load(DO + b * sdo_b + h * sdo_h + row_ptr[:, None] * sdo_t + dv[None, :],
+                 mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+    lse = tl.load(LSE + b * slse_b + h * slse_h + row_ptr, mask=inb, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + b * slse_b + h * slse_h + row_ptr, mask=inb, other=0.0)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
+    K_head = K + b * sk_b + hk * sk_h + k_start * sk_t
+    V_head = V + b * sv_b + hk * sv_h + k_start * sv_t
+    DMASK_row = DMASK + bh * Tq * Tk
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    end_n = Tk
-    if IS_CAUSAL:
-        end_n = tl.minimum(Tk, start_m + BLOCK_M)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_t + d[None, :],
-                    mask=(cols < Tk)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-        v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_t + dv[None, :],
-                    mask=(cols < Tk)[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
-        s = _dot(q, tl.trans(k), PRECISION, DOT_IN_FP32) * qk_scale
-        s = _masked_scores(s, rows, cols, b, h, Tq, Tk, MASK, KPM, sm_b, sm_h, sm_q, sm_k,
-                           skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM, IS_CAUSAL)  # fmt: skip
-        p = tl.exp2(s - lse2[:, None])
-        dp = _dot(do, tl.trans(v), PRECISION, DOT_IN_FP32)
-        if DROPOUT:
-            kept = _dropout(tl.full(p.shape, 1.0, tl.float32), SEED, dropout_p, bh, rows, cols,
-                            Tq, Tk)  # fmt: skip
-            dp = dp * kept
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PRECISION, DOT_IN_FP32)
-        if MASK_GRAD:
-            tl.store(DMASK + bh * Tq * Tk + rows[:, None] * Tk + cols[None, :], ds,
-                     mask=(rows < Tq)[:, None] & (cols < Tk)[None, :])  # fmt: skip
-    tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_t + d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=(rows < Tq)[:, None] & (d < D)[None, :])  # fmt: skip
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, q_len, k_len, offset, window_left,
+                                        window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
+    if MASK_GRAD:
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for part in tl.static_range(3):
+            if part == 0:
+                first, last = lo, mid_lo
+            elif part == 1:
+                first, last = mid_lo, mid_hi
+            else:
+                first, last = mid_hi, hi
+            dq, delta = _dq_tiles(
+                dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows,
+                d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
+                window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D,
+                Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, True, False, PRECISION, DOT_IN_FP32,
+                INTERPRETED, BLOCK_N,
+            )  # fmt: skip
+    for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
+        if part == 0:
+            first, last = lo, mid_lo
+        elif part == 1:
+            first, last = mid_lo, mid_hi
+        else:
+            first, last = mid_hi, hi
+        dq, delta = _dq_tiles(
+            dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows, d,
+            dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
+            window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
+            Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_ALIBI, DROPOUT, part != 1, False, MASK_GRAD, PRECISION, DOT_IN_FP32,
+            INTERPRETED, BLOCK_N,
+        )  # fmt: skip
+    tl.store(DQ + b * sdq_b + h * sdq_h + row_ptr[:, None] * sdq_t + d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=inb[:, None] & (d < D)[None, :])  # fmt: skip

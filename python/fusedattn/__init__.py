@@ -11,7 +11,14 @@ Importing fusedattn never initialises CUDA and never imports triton.
 from . import masks, reference
 from ._version import __version__
 from .modules import LayerNorm, MultiheadAttention, Softmax, swap_modules
-from .ops import BackendUnavailableError, attention, available_backends, layer_norm, softmax
+from .ops import (
+    BackendUnavailableError,
+    attention,
+    available_backends,
+    layer_norm,
+    softmax,
+    varlen_attention,
+)
 
 __all__ = [
     "BackendUnavailableError",
@@ -26,4 +33,5 @@ __all__ = [
     "reference",
     "softmax",
     "swap_modules",
+    "varlen_attention",
 ]

@@ -1,13 +1,91 @@
-"""Mask builders, in the conventions of `fusedattn.attention` (bool True = may attend).
+"""Positional windows and mask builders, in the conventions of `fusedattn.attention` (bool
+True = may attend).
 
-`is_causal=True` is top-left aligned (query i sees keys j <= i), as in SDPA. For the
-bottom-right alignment of flash-attn and KV-cache decoding (the last query sees every key),
-pass `causal_mask(Tq, Tk, bottom_right=True)` as `attn_mask`.
+Positions: query i sits at key position p = i (`causal_alignment="top_left"`, SDPA's
+`is_causal`) or p = i + Tk - Tq (`"bottom_right"`, flash-attention and KV-cache decoding, where
+the last query sees every key). A `Window(left, right)` lets the query at p see key j iff
+p - left <= j <= p + right, -1 meaning unbounded on that side: causal is `Window(-1, 0)`.
+The kernels skip the tiles a window hides; the dense builders here are for the reference and
+torch backends and for users who want an explicit mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Window:
+    """Keys a query sees by position: p - left <= j <= p + right (-1 = unbounded side)."""
+
+    left: int = -1
+    right: int = -1
+    bottom_right: bool = False
+
+    @property
+    def bounded(self) -> bool:
+        return self.left >= 0 or self.right >= 0
+
+    @property
+    def is_top_left_causal(self) -> bool:
+        """Exactly SDPA's is_causal=True."""
+        return self.left < 0 and self.right == 0 and not self.bottom_right
+
+    def offset(self, Tq: int, Tk: int) -> int:
+        """Key position of query 0."""
+        return Tk - Tq if self.bottom_right else 0
+
+
+NO_WINDOW = Window()
+
+
+def make_window(
+    is_causal: bool,
+    window_size: tuple[int, int] | None,
+    causal_alignment: str,
+    Tq: int | None,
+    Tk: int | None,
+    *,
+    alibi: bool = False,
+) -> Window:
+    """The normalised positional rule of one attention call: is_causal makes the right side
+    0; the alignment is kept only where it changes something (a bounded window or ALiBi, and
+    Tq != Tk; None lengths, as in a packed batch, may differ per sequence)."""
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    if is_causal:
+        right = 0
+    positional = left >= 0 or right >= 0 or alibi
+    bottom_right = causal_alignment == "bottom_right" and positional and (Tq is None or Tq != Tk)
+    return Window(left, right, bottom_right)
+
+
+def window_mask(window: Window, Tq: int, Tk: int, device=None) -> torch.Tensor | None:
+    """(Tq, Tk) bool, True where the window lets query i see key j; None when unbounded."""
+    if not window.bounded:
+        return None
+    p = torch.arange(Tq, device=device).unsqueeze(-1) + window.offset(Tq, Tk)
+    j = torch.arange(Tk, device=device)
+    visible = torch.ones(Tq, Tk, dtype=torch.bool, device=device)
+    if window.right >= 0:
+        visible &= j <= p + window.right
+    if window.left >= 0:
+        visible &= j >= p - window.left
+    return visible
+
+
+def alibi_bias(
+    slopes: torch.Tensor, Tq: int, Tk: int, *, bottom_right: bool = False, dtype=None
+) -> torch.Tensor:
+    """-slope·|p - j| for slopes (Hq,) or (B, Hq): (1 or B, Hq, Tq, Tk), in `dtype` (default the
+    slopes' dtype)."""
+    dtype = dtype or slopes.dtype
+    p = torch.arange(Tq, device=slopes.device).unsqueeze(-1) + (Tk - Tq if bottom_right else 0)
+    j = torch.arange(Tk, device=slopes.device)
+    distance = (p - j).abs().to(dtype)
+    per_head = slopes.to(dtype).reshape(-1 if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1)
+    return -per_head * distance
 
 
 def causal_mask(Tq: int, Tk: int, *, bottom_right: bool = False, device=None) -> torch.Tensor:
@@ -16,10 +94,7 @@ def causal_mask(Tq: int, Tk: int, *, bottom_right: bool = False, device=None) ->
     Top-left: j <= i. Bottom-right: j <= i + (Tk - Tq); with Tq > Tk the first Tq - Tk rows
     see no key at all (and give 0, as every fully masked row does).
     """
-    shift = Tk - Tq if bottom_right else 0
-    rows = torch.arange(Tq, device=device).unsqueeze(-1)
-    cols = torch.arange(Tk, device=device)
-    return cols <= rows + shift
+    return window_mask(Window(-1, 0, bottom_right), Tq, Tk, device=device)
 
 
 def padding_mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
@@ -39,19 +114,26 @@ def merge_masks(
     Tq: int,
     Tk: int,
     device=None,
+    *,
+    window: Window | None = None,
 ) -> torch.Tensor | None:
-    """One mask equivalent to attn_mask AND key padding AND causal, or None when all are absent.
+    """One mask equivalent to attn_mask AND key padding AND the positional rule (`window`, or
+    top-left causal when is_causal), or None when all are absent.
 
-    The result is bool when attn_mask is bool or absent, else float (additive, -inf where a
-    padding or causal rule hides the key). It broadcasts to (B, H, Tq, Tk) and is only as large
-    as its inputs need: (Tq, Tk) for causal alone, (B, 1, 1, Tk) for padding alone.
+    The result is bool when attn_mask is bool or absent, else float in attn_mask's dtype
+    (additive, -inf where padding or position hides the key; convert a float mask to the
+    compute dtype before merging, so its gradient is reduced in that dtype). It broadcasts to
+    (B, H, Tq, Tk) and is only as large as its inputs need: (Tq, Tk) for a window alone,
+    (B, 1, 1, Tk) for padding alone.
     """
+    if window is None:
+        window = Window(-1, 0) if is_causal else NO_WINDOW
     visible = None
     if key_padding_mask is not None:
         visible = key_padding_to_attn_mask(key_padding_mask)
-    if is_causal:
-        causal = causal_mask(Tq, Tk, device=device)
-        visible = causal if visible is None else visible & causal
+    positional = window_mask(window, Tq, Tk, device=device)
+    if positional is not None:
+        visible = positional if visible is None else visible & positional
     if attn_mask is None:
         return visible
     if visible is None:

@@ -5,9 +5,23 @@
     model = AutoModel.from_config(config, attn_implementation="fusedattn")
     # or: model.set_attn_implementation("fusedattn")
 
-`register` adds an attention function to transformers' `AttentionInterface` and, for its
-masks, SDPA's mask builder to `AttentionMaskInterface` (fusedattn takes SDPA's conventions:
-bool True = may attend, or an additive float mask; None with is_causal for plain causal).
+`register` adds an attention function to transformers' `AttentionInterface` and a mask
+builder to `AttentionMaskInterface`. What transformers hands the attention function maps onto
+fusedattn's arguments:
+
+- the mask: SDPA's conventions (bool True = may attend, or an additive float mask; None with
+  the module's is_causal for plain causal, placed bottom-right as in flash-attention);
+- `sliding_window` (Mistral, Qwen2, Gemma 2, GPT-OSS): HF's window keeps keys
+  j > i - sliding_window, i.e. `window_size=(sliding_window - 1, 0)`. Where HF's mask is that
+  sliding-window causal pattern alone (no padding), the mask builder returns None and the
+  kernels skip the tiles outside the window instead of reading a dense mask;
+- `softcap` (Gemma 2's attn_logit_softcapping) -> `softcap`;
+- `s_aux` (GPT-OSS's learned attention sinks) -> `sinks`;
+- `cu_seq_lens_q/k`, `max_length_q/k` (packed sequences, as from
+  `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) -> `varlen_attention`.
+
+Any other keyword with a value raises a ValueError naming it, so that nothing the model asks
+for is silently dropped.
 """
 
 from __future__ import annotations
@@ -16,9 +30,57 @@ import functools
 
 import torch
 
-from ..ops import attention
+from ..ops import attention, varlen_attention
 
 NAME = "fusedattn"
+
+# Keywords transformers passes whose information is already in q, k, v and the mask.
+ALREADY_APPLIED = frozenset(
+    {"position_ids", "cache_position", "use_cache", "output_router_logits", "layer_idx"}
+)
+
+
+def _is_sliding_window_causal(mask_function) -> bool:
+    """True when an HF mask function is exactly its sliding-window causal pattern
+    (and_masks(sliding_window_overlay(w), causal_mask_function)), read off the closure.
+    Anything else (chunked attention, packed sequences, custom patterns) is not, and keeps
+    its dense mask."""
+    cells = getattr(mask_function, "__closure__", None) or ()
+    parts = [c.cell_contents for c in cells if isinstance(c.cell_contents, tuple)]
+    if len(parts) != 1 or len(parts[0]) != 2:
+        return False
+    names = sorted(getattr(f, "__qualname__", "") for f in parts[0])
+    return names == ["causal_mask_function", "sliding_window_overlay.<locals>.inner_mask"]
+
+
+def build_mask(*args, mask_function=None, local_size=None, **kwargs):
+    """transformers' SDPA mask builder, except for a sliding-window causal pattern: there the
+    window is left to the kernels (the attention call gets `sliding_window`), so with no
+    padding the mask is None and no dense (Tq, Tk) mask is built or read."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if mask_function is None:
+        mask_function = causal_mask_function
+    skip_allowed = kwargs.get("allow_is_causal_skip", True)
+    if local_size is not None and skip_allowed and _is_sliding_window_causal(mask_function):
+        skipped = sdpa_mask(*args, mask_function=causal_mask_function, local_size=None, **kwargs)
+        if skipped is None:
+            return None
+    return sdpa_mask(*args, mask_function=mask_function, local_size=local_size, **kwargs)
+
+
+def _check_keywords(kwargs: dict) -> None:
+    unknown = sorted(
+        name
+        for name, value in kwargs.items()
+        if name not in ALREADY_APPLIED and value is not None and value is not False
+    )
+    if unknown:
+        raise ValueError(
+            f"fusedattn's attention does not understand {', '.join(unknown)} (passed by the "
+            "model); refusing rather than ignoring it. Use attn_implementation='eager' for "
+            "this model, or open an issue."
+        )
 
 
 def attention_forward(
@@ -32,49 +94,72 @@ def attention_forward(
     is_causal: bool | None = None,
     position_bias: torch.Tensor | None = None,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | torch.Tensor | None = None,
+    max_length_k: int | torch.Tensor | None = None,
     backend: str = "auto",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) ->
     (out (B, Tq, Hq, Dv), None). Attention weights are not returned (as with "sdpa")."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError("fusedattn attention does not support `softcap`; use 'eager'")
-    # As transformers' SDPA path: the module (or the call) says whether it is a decoder, and a
-    # single query token (decoding) sees every cached key.
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    _check_keywords(kwargs)
+    # As transformers' SDPA path: the module (or the call) says whether it is a decoder.
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    variants = dict(
+        softcap=float(softcap or 0.0),
+        sinks=s_aux,
+        enable_gqa=query.shape[1] != key.shape[1],
+        scale=scaling,
+        backend=backend,
+    )
+    window = None
+    if sliding_window is not None and causal:
+        window = (int(sliding_window) - 1, 0)
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        return _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                       max_length_k, dropout, causal, window, variants)  # fmt: skip
     if position_bias is not None:  # a learned bias (T5-style) joins the mask
         attention_mask = position_bias if attention_mask is None else (
             position_bias.masked_fill(~attention_mask, float("-inf"))
             if attention_mask.dtype == torch.bool
             else position_bias + attention_mask
         )  # fmt: skip
-        if is_causal:
-            Tq, Tk = query.shape[2], key.shape[2]
-            causal = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)
-            attention_mask = attention_mask.masked_fill(~causal, float("-inf"))
-            is_causal = False
+    if attention_mask is not None:
+        # HF's mask holds the whole pattern (causal, window, padding), placed as HF placed it.
+        causal, window = False, None
     out = attention(
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout_p=dropout,
-        is_causal=is_causal,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-        backend=backend,
-    )
+        query, key, value, attention_mask, dropout_p=dropout, is_causal=causal,
+        window_size=window, causal_alignment="bottom_right", **variants,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed(query, key, value, cu_q, cu_k, max_q, max_k, dropout, causal, window, variants):
+    """Packed sequences (batch 1, sequences back to back) through varlen_attention."""
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        raise ValueError(
+            "packed sequences need cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed sequences come as a batch of 1, got {query.shape[0]}")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (total, H, D) views
+    out = varlen_attention(
+        q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
+        dropout_p=dropout, is_causal=causal, window_size=window,
+        causal_alignment="bottom_right", **variants,
+    )  # fmt: skip
+    return out.unsqueeze(0), None
 
 
 def register(name: str = NAME, *, backend: str = "auto") -> str:
     """Make `attn_implementation=name` available to every transformers model, running
     fusedattn's `backend`; returns name."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, build_mask)
     return name

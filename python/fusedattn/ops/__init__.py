@@ -1,8 +1,15 @@
 """Public ops: validation, backend dispatch and the launchers of every backend."""
 
-from .attention import attention
+from .attention import attention, varlen_attention
 from .backends import BackendUnavailableError, available_backends
 from .layernorm import layer_norm
 from .softmax import softmax
 
-__all__ = ["BackendUnavailableError", "attention", "available_backends", "layer_norm", "softmax"]
+__all__ = [
+    "BackendUnavailableError",
+    "attention",
+    "available_backends",
+    "layer_norm",
+    "softmax",
+    "varlen_attention",
+]

@@ -1,4 +1,5 @@
-"""`fusedattn.attention`: validation, backend dispatch, and the reference / torch backends."""
+"""`fusedattn.attention` and `fusedattn.varlen_attention`: validation, backend dispatch, and
+the reference / torch backends (the kernel backends live in flash_attention.py)."""
 
 from __future__ import annotations
 
@@ -6,60 +7,130 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from ..masks import merge_masks
+from ..masks import Window, alibi_bias, merge_masks
 from . import backends, flash_attention
 from .autocast import apply_autocast
-from .checks import check_attention_args
+from .checks import check_attention_args, check_varlen_args
+
+HALF = (torch.float16, torch.bfloat16)
 
 
-def _torch_refusals(*, return_lse, **_inputs) -> list[str]:
+def _public_window_args(window: Window) -> dict:
+    """The public keywords that give back `window`."""
+    return dict(
+        is_causal=False,
+        window_size=(window.left, window.right),
+        causal_alignment="bottom_right" if window.bottom_right else "top_left",
+    )
+
+
+# ---- torch: F.scaled_dot_product_attention ----------------------------------------------------
+
+
+def _torch_refusals(*, q, return_lse, softcap, alibi_slopes, sinks, **_inputs) -> list[str]:
+    reasons = []
     if return_lse:
-        return ["torch's scaled_dot_product_attention does not return the log-sum-exp"]
-    return []
+        reasons.append("torch's scaled_dot_product_attention does not return the log-sum-exp")
+    if softcap > 0.0:
+        reasons.append(
+            "torch's scaled_dot_product_attention cannot apply softcap (a tanh of the scores)"
+        )
+    if q.dtype in HALF and alibi_slopes is not None:
+        reasons.append(
+            f"ALiBi reaches torch's scaled_dot_product_attention only as a mask in q's dtype "
+            f"({q.dtype}), which rounds -slope·|i - j| (by up to 0.4% in bfloat16)"
+        )
+    if q.dtype in HALF and sinks is not None and sinks.dtype != q.dtype:
+        reasons.append(
+            f"sinks reach torch's scaled_dot_product_attention only as a mask column in q's "
+            f"dtype ({q.dtype}), which would round the {sinks.dtype} sinks"
+        )
+    return reasons
 
 
 def _torch_attention(
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse
-):
-    """F.scaled_dot_product_attention with our masks folded into the one mask it takes.
-
-    SDPA refuses attn_mask together with is_causal and has no key padding argument, so the
-    three are merged; a float mask is cast to q's dtype, as SDPA requires.
-    """
-    if key_padding_mask is not None or (is_causal and attn_mask is not None):
-        attn_mask = merge_masks(
-            attn_mask, key_padding_mask, is_causal, q.shape[-2], k.shape[-2], device=q.device
-        )
-        is_causal = False
+    q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
+    alibi_slopes, sinks, return_lse,
+):  # fmt: skip
+    """F.scaled_dot_product_attention with our masks and variants folded into the one mask it
+    takes: key padding and the positional window as a bool mask, ALiBi as a float bias, each
+    sink as one more key of value 0 whose score is the sink (q·0 + sink: exact)."""
+    B, Hq, Tq, _ = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if key_padding_mask is not None:  # a padded key never contributes, even a NaN there
+        hidden = key_padding_mask[:, None, :, None]
+        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
-        attn_mask = attn_mask.to(q.dtype)
-    return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
+        attn_mask = attn_mask.to(q.dtype)  # SDPA's dtype, converted before any broadcast
+    # SDPA's own is_causal only for causal alone, with a positive scale: its CPU flash kernel
+    # returns NaN for is_causal with scale <= 0 (seen with torch 2.14).
+    is_causal = (
+        window.is_top_left_causal
+        and attn_mask is None
+        and key_padding_mask is None
+        and alibi_slopes is None
+        and sinks is None
+        and (scale is None or scale > 0)
     )
+    mask = None
+    if not is_causal:
+        mask = merge_masks(attn_mask, key_padding_mask, False, Tq, Tk, q.device, window=window)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, Tq, Tk, bottom_right=window.bottom_right, dtype=q.dtype)
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, float("-inf"))
+        else:
+            mask = mask + bias
+    if sinks is not None:
+        k = torch.cat([k, k.new_zeros(B, Hkv, 1, k.shape[-1])], dim=2)
+        v = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[-1])], dim=2)
+        if mask is None:
+            mask = q.new_zeros(Tq, Tk)
+        elif mask.dtype == torch.bool:
+            mask = q.new_zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        shape = torch.broadcast_shapes(mask.shape, (1, Hq, Tq, Tk))
+        sink = sinks.to(q.dtype)[None, :, None, None].expand(shape[0], Hq, Tq, 1)
+        mask = torch.cat([mask.expand(shape), sink], dim=-1)
+    if mask is not None and mask.dim() < 2:  # SDPA needs (..., Tq, Tk)
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
+
+
+def _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, window, return_lse, **kw):
+    from ..reference.attention import per_sequence  # (reference imports ops: import late)
+
+    kw = {n: kw[n] for n in ("dropout_p", "scale", "enable_gqa", "softcap", "sinks")}
+    return per_sequence(
+        attention, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, return_lse,
+        backend="torch", **_public_window_args(window), **kw,
+    )  # fmt: skip
+
+
+# ---- reference: the naive twins --------------------------------------------------------------
 
 
 def _reference_attention(
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse
-):
+    q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
+    alibi_slopes, sinks, return_lse,
+):  # fmt: skip
     return reference.attention(
-        q,
-        k,
-        v,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        key_padding_mask=key_padding_mask,
-        return_lse=return_lse,
-    )
+        q, k, v, attn_mask, dropout_p, scale=scale, enable_gqa=enable_gqa,
+        key_padding_mask=key_padding_mask, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, return_lse=return_lse, **_public_window_args(window),
+    )  # fmt: skip
+
+
+def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                      **kw):  # fmt: skip
+    return reference.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        **_public_window_args(window), **kw,
+    )  # fmt: skip
 
 
 backends.register("attention", "reference", _reference_attention, backends.no_refusals)
@@ -68,6 +139,15 @@ backends.register(
     "attention", "triton", flash_attention.run_triton, flash_attention.triton_refusals
 )
 backends.register("attention", "cuda", flash_attention.run_cuda, flash_attention.cuda_refusals)
+backends.register("varlen_attention", "reference", _reference_varlen, backends.no_refusals)
+backends.register("varlen_attention", "torch", _torch_varlen, _torch_refusals)
+backends.register(
+    "varlen_attention", "triton", flash_attention.run_triton_varlen,
+    flash_attention.triton_refusals,
+)  # fmt: skip
+backends.register(
+    "varlen_attention", "cuda", flash_attention.run_cuda, flash_attention.cuda_varlen_refusals
+)
 
 
 def attention(
@@ -81,32 +161,86 @@ def attention(
     enable_gqa: bool = False,
     *,
     key_padding_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    causal_alignment: str = "top_left",
     return_lse: bool = False,
     backend: str = "auto",
 ):
     """Masked multi-head scaled-dot-product attention, SDPA's layout and mask conventions.
 
     q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv); attn_mask bool (True = may
-    attend) or float (added to the scaled scores), broadcastable to (B, Hq, Tq, Tk);
-    key_padding_mask bool (B, Tk), True = padding key; is_causal is top-left aligned.
-    Returns out (B, Hq, Tq, Dv), and lse (B, Hq, Tq) float32 when return_lse=True. A query
-    that sees no key gives 0 output, 0 gradients and lse = -inf.
+    attend) or float (added to the scores), broadcastable to (B, Hq, Tq, Tk);
+    key_padding_mask bool (B, Tk), True = padding key.
+
+    Positions: query i sits at key position p = i (causal_alignment="top_left", SDPA) or
+    p = i + Tk - Tq ("bottom_right", flash-attention / KV-cache decoding); is_causal shows it
+    keys j <= p; window_size=(left, right) keys p - left <= j <= p + right (-1 = unbounded).
+    Scores: s = scale·q·k, softcap·tanh(s / softcap) if softcap > 0, then -slope·|p - j| for
+    alibi_slopes ((Hq,) or (B, Hq) float32), then the float mask. sinks ((Hq,)) adds one
+    logit per head to every row's normaliser. Returns out (B, Hq, Tq, Dv), and lse
+    (B, Hq, Tq) float32 when return_lse=True. A query that sees no key gives 0 output,
+    0 gradients and lse = -inf (the sink with sinks).
     """
     cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
     q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
-    check_attention_args(
-        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
-    )
+    window = check_attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        causal_alignment=causal_alignment,
+    )  # fmt: skip
     inputs = dict(
-        q=q,
-        k=k,
-        v=v,
-        attn_mask=attn_mask,
-        dropout_p=float(dropout_p),
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        key_padding_mask=key_padding_mask,
-        return_lse=return_lse,
-    )
+        q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=float(dropout_p), scale=scale,
+        enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
     return backends.select("attention", backend, q.device, inputs).run(**inputs)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    causal_alignment: str = "top_left",
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Attention over a packed batch of variable-length sequences, no padding computed.
+
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_seqlens_q/k int32
+    (B + 1,) prefix sums: sequence b is rows cu[b]:cu[b + 1] (cu[0] = 0, cu[B] = total);
+    max_seqlen_q/k bound every sequence's length (they size the kernel grid and are trusted,
+    as in flash-attention). Every option of `attention` (positions per sequence, windows,
+    softcap, ALiBi, sinks, dropout) applies. Returns (total_q, Hq, Dv) [, lse (Hq, total_q)
+    float32]. The reference and torch backends run one sequence at a time (and read
+    cu_seqlens to the host); the Triton kernels take the packed batch in one launch.
+    """
+    cast = apply_autocast("attention", dict(q=q, k=k, v=v))
+    q, k, v = cast["q"], cast["k"], cast["v"]
+    window = check_varlen_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+        scale, enable_gqa, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, causal_alignment=causal_alignment,
+    )  # fmt: skip
+    inputs = dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+        dropout_p=float(dropout_p), scale=scale, enable_gqa=enable_gqa, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+    return backends.select("varlen_attention", backend, q.device, inputs).run(**inputs)

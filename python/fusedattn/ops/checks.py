@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..masks import Window, make_window
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -79,10 +81,83 @@ def check_scale(scale) -> None:
         raise ValueError(f"scale must be finite, got {scale}")
 
 
-def check_attention_args(
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+def check_window_size(window_size) -> None:
+    if window_size is None:
+        return
+    ok = (
+        isinstance(window_size, tuple | list)
+        and len(window_size) == 2
+        and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+    )
+    if not ok:
+        raise TypeError(
+            f"window_size must be None or a pair of ints (left, right), got {window_size!r}"
+        )
+    if any(w < -1 for w in window_size):
+        raise ValueError(
+            f"window_size sides must be >= 0, or -1 for unbounded, got {tuple(window_size)}"
+        )
+
+
+def check_attention_variants(
+    window_size, softcap, alibi_slopes, sinks, causal_alignment, *, batch, heads, device
 ) -> None:
-    """Validate the arguments of `fusedattn.attention` (SDPA's layout and mask conventions)."""
+    """The keyword-only variants shared by fusedattn.attention and varlen_attention."""
+    check_window_size(window_size)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not (0.0 <= float(softcap) < float("inf")):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes)
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(
+                f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({batch}, "
+                f"{heads}), got {shape_str(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != device:
+            raise ValueError(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dims=1, layout=f"(Hq,) = ({heads},)")
+        check_float_dtype("sinks", sinks)
+        if sinks.shape[0] != heads:
+            raise ValueError(
+                f"sinks must have shape (Hq,) = ({heads},), got {shape_str(sinks.shape)}"
+            )
+        if sinks.device != device:
+            raise ValueError(f"sinks must be on {device}, got {sinks.device}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(
+            f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}"
+        )
+
+
+def check_dropout(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def check_heads(Hq: int, Hkv: int, enable_gqa) -> None:
+    check_bool("enable_gqa", enable_gqa)
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: Hq must be a multiple of Hkv")
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(
+            f"q has {Hq} heads and k/v have {Hkv}: pass enable_gqa=True for grouped-query attention"
+        )
+
+
+def check_attention_args(
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+    *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    causal_alignment="top_left",
+) -> Window:  # fmt: skip
+    """Validate the arguments of `fusedattn.attention` (SDPA's layout and mask conventions);
+    returns the call's normalised positional window."""
     check_tensor("q", q, dims=4, layout="(B, Hq, Tq, D)")
     check_tensor("k", k, dims=4, layout="(B, Hkv, Tk, D)")
     check_tensor("v", v, dims=4, layout="(B, Hkv, Tk, Dv)")
@@ -105,13 +180,7 @@ def check_attention_args(
         )
     if D == 0 or v.shape[-1] == 0:
         raise ValueError("q, k and v must have a head dim of at least 1")
-    check_bool("enable_gqa", enable_gqa)
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: Hq must be a multiple of Hkv")
-    if Hq != Hkv and not enable_gqa:
-        raise ValueError(
-            f"q has {Hq} heads and k/v have {Hkv}: pass enable_gqa=True for grouped-query attention"
-        )
+    check_heads(Hq, Hkv, enable_gqa)
     if attn_mask is not None:
         check_mask("attn_mask", attn_mask, (B, Hq, Tq, Tk), q.device)
     if key_padding_mask is not None:
@@ -129,12 +198,67 @@ def check_attention_args(
             raise ValueError(
                 f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}"
             )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    check_dropout(dropout_p)
     check_bool("is_causal", is_causal)
     check_scale(scale)
+    check_attention_variants(
+        window_size, softcap, alibi_slopes, sinks, causal_alignment,
+        batch=B, heads=Hq, device=q.device,
+    )  # fmt: skip
+    return make_window(
+        is_causal, window_size, causal_alignment, Tq, Tk, alibi=alibi_slopes is not None
+    )
+
+
+def check_varlen_args(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+    scale, enable_gqa, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    causal_alignment="top_left",
+) -> Window:  # fmt: skip
+    """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences); returns the
+    normalised positional window. Reads no tensor values (no device sync): cu_seqlens and
+    max_seqlen are trusted to describe the packing, as in flash-attention."""
+    check_tensor("q", q, dims=3, layout="(total_q, Hq, D)")
+    check_tensor("k", k, dims=3, layout="(total_k, Hkv, D)")
+    check_tensor("v", v, dims=3, layout="(total_k, Hkv, Dv)")
+    check_float_dtype("q", q)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    _, Hq, D = q.shape
+    total_k, Hkv, Dk = k.shape
+    if Dk != D:
+        raise ValueError(f"k must have q's head dim {D} in its last dimension, got {Dk}")
+    if v.shape[0] != total_k or v.shape[1] != Hkv:
+        raise ValueError(
+            f"v must have k's rows and heads ({total_k}, {Hkv}, Dv), got {shape_str(v.shape)}"
+        )
+    if D == 0 or v.shape[-1] == 0:
+        raise ValueError("q, k and v must have a head dim of at least 1")
+    check_heads(Hq, Hkv, enable_gqa)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu, dims=1, layout="(B + 1,) prefix sums")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must both have B + 1 >= 1 entries, got "
+            f"{shape_str(cu_seqlens_q.shape)} and {shape_str(cu_seqlens_k.shape)}"
+        )
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {m!r}")
+    check_dropout(dropout_p)
+    check_bool("is_causal", is_causal)
+    check_scale(scale)
+    check_attention_variants(
+        window_size, softcap, alibi_slopes, sinks, causal_alignment,
+        batch=cu_seqlens_q.shape[0] - 1, heads=Hq, device=q.device,
+    )  # fmt: skip
+    return make_window(
+        is_causal, window_size, causal_alignment, None, None, alibi=alibi_slopes is not None
+    )
 
 
 def normalize_shape(normalized_shape) -> tuple[int, ...]:

@@ -11,11 +11,12 @@ from typing import Optional
 
 import torch
 
+from ..masks import NO_WINDOW
+from .attention_launch import TritonAttentionLaunch
 from .rowwise import (
     KERNEL_DTYPES,
     extension,
     extension_op_refusals,
-    kernels,
     new_output,
     new_output_like,
 )
@@ -24,13 +25,15 @@ MAX_HEAD_DIM = 256
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def triton_refusals(*, q, k, v, **_inputs) -> list[str]:
+def triton_refusals(*, q, v, alibi_slopes=None, **_inputs) -> list[str]:
     """Why the Triton attention cannot take these inputs ([] = it can)."""
     reasons = []
     if q.dtype not in KERNEL_DTYPES:
         reasons.append(f"the Triton attention takes float16, bfloat16 and float32, got {q.dtype}")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        reasons.append("the Triton attention has no gradient for alibi_slopes (detach them)")
     return reasons
 
 
@@ -39,10 +42,22 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def cuda_refusals(*, q, k, v, **_inputs) -> list[str]:
+def cuda_refusals(
+    *, q, k, v, window=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, **_inputs
+) -> list[str]:
     """Why the CUDA C++ attention cannot take these inputs ([] = it can). fp32 is refused
-    (tensor cores take fp16/bf16; auto then routes fp32 to torch or Triton)."""
+    (tensor cores take fp16/bf16; auto then routes fp32 to torch or Triton), and so are the
+    variants its kernels do not have yet (auto routes them to Triton)."""
     reasons = extension_op_refusals("attention")
+    if window.bounded and not window.is_top_left_causal:
+        reasons.append(
+            f"the CUDA attention has top-left causal only, not the window (left={window.left}, "
+            f"right={window.right}{', bottom-right' if window.bottom_right else ''})"
+        )
+    for name, unused in (("softcap", softcap == 0.0), ("alibi_slopes", alibi_slopes is None),
+                         ("sinks", sinks is None)):  # fmt: skip
+        if not unused:
+            reasons.append(f"the CUDA attention does not take {name} yet")
     if q.dtype not in CUDA_DTYPES:
         reasons.append(f"the CUDA attention takes float16 and bfloat16, got {q.dtype}")
     D, Dv = q.shape[-1], v.shape[-1]
@@ -54,6 +69,10 @@ def cuda_refusals(*, q, k, v, **_inputs) -> list[str]:
     if q.is_cuda and _capability(q.device.index or 0) < (8, 0):
         reasons.append("the CUDA attention needs compute capability 8.0 or newer")
     return reasons
+
+
+def cuda_varlen_refusals(**inputs) -> list[str]:
+    return ["the CUDA attention has no packed variable-length kernel yet (backend='triton' has)"]
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -100,33 +119,22 @@ def _empty_out(q: torch.Tensor, Dv: int) -> torch.Tensor:
     return new_output((B, T, H, Dv), q.dtype, q.device).transpose(1, 2)
 
 
-def _dot_flags(q: torch.Tensor) -> dict:
-    """fp32 inputs to fp32 accuracy unless the user allowed TF32 (torch.backends); bf16 dots in
-    fp32 in the CPU interpreter (see _dot in the kernels)."""
-    tf32 = q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
-    return dict(
-        PRECISION="tf32" if tf32 else "ieee",
-        DOT_IN_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
-    )
+def _empty_out_like(q: torch.Tensor, Dv: int, varlen: bool) -> torch.Tensor:
+    """The output: (B, Hq, Tq, Dv) as a view of a (B, Tq, Hq, Dv) buffer (the merge of heads
+    that follows in a module is then free), or packed (total_q, Hq, Dv)."""
+    if varlen:
+        return new_output((q.shape[0], q.shape[1], Dv), q.dtype, q.device)
+    return _empty_out(q, Dv)
 
 
-def _mask_args(q, k, attn_mask, key_padding_mask):
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    mask = None if attn_mask is None else attn_mask.expand(B, H, Tq, Tk)  # a view: strides 0
-    kpm = None if key_padding_mask is None else key_padding_mask.contiguous()
-    strides = tuple(mask.stride()) if mask is not None else (0, 0, 0, 0)
-    flags = dict(
-        HAS_MASK=mask is not None,
-        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-        HAS_KPM=kpm is not None,
-    )
-    return mask, kpm, (*strides, kpm.stride(0) if kpm is not None else 0), flags
-
-
-def _config(q, v):
-    K = kernels("attention")
-    return K, K.attention_config(q.shape[-1], v.shape[-1], q.is_cuda)
+def _no_keys(out, lse, sinks):
+    """The result when no query sees any key: 0 output; lse -inf, or each head's sink."""
+    out.zero_()
+    if sinks is None:
+        return out, lse.fill_(float("-inf"))
+    shape = [1] * lse.dim()
+    shape[-2 if lse.dim() == 3 else 0] = -1
+    return out, lse.copy_(sinks.float().view(shape).expand_as(lse))
 
 
 @torch.library.custom_op("fusedattn::attention_fwd", mutates_args=())
@@ -136,42 +144,58 @@ def attention_fwd(
     v: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     key_padding_mask: Optional[torch.Tensor],
-    is_causal: bool,
+    alibi_slopes: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
     scale: float,
+    softcap: float,
     dropout_p: float,
     seed: Optional[torch.Tensor],
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32). With dropout_p > 0, `seed` (an int64
-    tensor on q's device) seeds the Philox stream the backward regenerates."""
+    """-> (out, lse fp32): (B, Hq, Tq, Dv) and (B, Hq, Tq), or packed (total_q, Hq, Dv) and
+    (Hq, total_q) when cu_seqlens are given. With dropout_p > 0, `seed` (an int64 tensor on
+    q's device) seeds the Philox stream the backward regenerates."""
     q, k, v = _kernel_layout(backend, q, k, v)
-    B, H, Tq, D = q.shape
-    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    out = _empty_out(q, Dv)
-    lse = new_output((B, H, Tq), torch.float32, q.device)
-    if out.numel() == 0 or Tk == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
+    varlen = cu_seqlens_q is not None
+    out = _empty_out_like(q, v.shape[-1], varlen)
     if backend == "cuda":
+        lse = new_output(q.shape[:3], torch.float32, q.device)
+        if out.numel() == 0 or k.shape[2] == 0:
+            return out.zero_(), lse.fill_(float("-inf"))
+        is_causal = window_right == 0 and window_left < 0 and not bottom_right
         extension().attention_fwd(
             q, k, v, out, lse, *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal,
             scale, dropout_p, seed,
         )  # fmt: skip
         return out, lse
-    K, cfg = _config(q, v)
-    mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
-    K.attention_fwd[(B * H, -(-Tq // cfg.block_m))](
-        q, k, v, out, lse, mask, kpm, seed,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask_strides,
-        H, Tq, Tk, D, Dv, H // Hkv, scale, dropout_p,
-        IS_CAUSAL=is_causal, DROPOUT=dropout_p > 0.0, BLOCK_M=cfg.block_m, **_dot_flags(q),
-        BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    L = TritonAttentionLaunch(
+        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
+        dropout_p, seed,
     )  # fmt: skip
+    lse = new_output(L.lse_shape, torch.float32, q.device)
+    if out.numel() == 0 or L.B * L.query_blocks("fwd") == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    if L.Tk == 0:
+        return _no_keys(out, lse, L.sinks)
+    L.launch(L.K.attention_fwd, *L.fwd_args(q, k, v, out, lse))
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+def _(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
+      dropout_p, seed, backend):  # fmt: skip
+    if cu_seqlens_q is not None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     B, H, Tq, _ = q.shape
     return _empty_out(q, v.shape[-1]), q.new_empty(B, H, Tq, dtype=torch.float32)
 
@@ -186,105 +210,137 @@ def attention_bwd(
     lse: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     key_padding_mask: Optional[torch.Tensor],
-    is_causal: bool,
+    alibi_slopes: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
     scale: float,
+    softcap: float,
     dropout_p: float,
     seed: Optional[torch.Tensor],
     mask_grad: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dk, dv, dS): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the scores (the
-    float mask's gradient before its broadcast is summed), empty unless mask_grad."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dS, dsinks): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the
+    scores (the float mask's gradient before its broadcast is summed), empty unless
+    mask_grad; dsinks fp32 (Hq,), empty without sinks."""
     q, k, v, out, do = _kernel_layout(backend, q, k, v, out, do)
-    B, H, Tq, D = q.shape
-    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
-    # zeros: causal tiles the dq kernel skips must read 0
+    varlen = cu_seqlens_q is not None
+    B, H, Tq = (0, 0, 0) if varlen else q.shape[:3]
+    Tk = 0 if varlen else k.shape[2]
+    # zeros: the tiles the dq kernel skips (outside the window) must read 0
     dmask = torch.zeros((B, H, Tq, Tk) if mask_grad else (0,), dtype=torch.float32, device=q.device)
+    dsinks = torch.zeros(
+        (0,) if sinks is None else sinks.shape, dtype=torch.float32, device=q.device
+    )
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), dmask
+        return dq.zero_(), dk.zero_(), dv.zero_(), dmask, dsinks
     if backend == "cuda":
         delta = new_output((B, H, Tq), torch.float32, q.device)
+        is_causal = window_right == 0 and window_left < 0 and not bottom_right
         extension().attention_bwd(
             do, q, k, v, out, lse, dq, dk, dv, delta, dmask if mask_grad else None,
             *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal, scale, dropout_p, seed,
         )  # fmt: skip
-        return dq, dk, dv, dmask
-    K, cfg = _config(q, v)
-    mask, kpm, mask_strides, flags = _mask_args(q, k, attn_mask, key_padding_mask)
-    delta = new_output((B, H, Tq), torch.float32, q.device)
-    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_DV=cfg.block_dv)
-    K.attention_bwd_delta[(B * H, -(-Tq // cfg.block_m))](
-        out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Tq, Dv, **tiles
-    )
-    common = dict(
-        IS_CAUSAL=is_causal, DROPOUT=dropout_p > 0.0, BLOCK_N=cfg.block_n, **_dot_flags(q),
-        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **tiles, **flags,
+        return dq, dk, dv, dmask, dsinks
+    L = TritonAttentionLaunch(
+        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
+        dropout_p, seed,
     )  # fmt: skip
-    K.attention_bwd_dkdv[(B * Hkv, -(-Tk // cfg.block_n))](
-        q, k, v, do, lse, delta, dk, dv, mask, kpm, seed,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], *mask_strides,
-        H, Hkv, Tq, Tk, D, Dv, H // Hkv, scale, dropout_p, **common,
-    )  # fmt: skip
-    K.attention_bwd_dq[(B * H, -(-Tq // cfg.block_m))](
-        q, k, v, do, lse, delta, dq, dmask, mask, kpm, seed,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        *mask_strides, H, Tq, Tk, D, Dv, H // Hkv, scale, dropout_p, MASK_GRAD=mask_grad,
-        **common,
-    )  # fmt: skip
-    return dq, dk, dv, dmask
+    delta = new_output(L.lse_shape, torch.float32, q.device)
+    L.launch(L.K.attention_bwd_delta, *L.delta_args(out, do, delta))
+    L.launch(L.K.attention_bwd_dkdv, *L.dkdv_args(q, k, v, do, lse, delta, dk, dv))
+    L.launch(L.K.attention_bwd_dq, *L.dq_args(q, k, v, do, lse, delta, dq, dmask, mask_grad))
+    if sinks is not None:  # d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
+        sink = sinks.float().view(-1, 1) if varlen else sinks.float().view(1, -1, 1)
+        p_sink = torch.exp(sink - lse)
+        dsinks = -(p_sink * delta).sum(dim=-1 if varlen else (0, 2))
+    return dq, dk, dv, dmask, dsinks
 
 
 @attention_bwd.register_fake
-def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-      mask_grad, backend):  # fmt: skip
-    B, H, Tq, _ = q.shape
-    shape = (B, H, Tq, k.shape[2]) if mask_grad else (0,)
+def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+      cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale,
+      softcap, dropout_p, seed, mask_grad, backend):  # fmt: skip
+    shape = (0,)
+    if mask_grad:
+        shape = (*q.shape[:3], k.shape[2])
     return (
         torch.empty_like(q),
         torch.empty_like(k),
         torch.empty_like(v),
         q.new_empty(shape, dtype=torch.float32),
+        q.new_empty((0,) if sinks is None else sinks.shape, dtype=torch.float32),
     )
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend = inputs
+    (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_q, cu_k, *scalars) = inputs
+    *scalars, seed, backend = scalars
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, seed)
-    ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks,
+                          cu_q, cu_k, seed)  # fmt: skip
+    ctx.scalars, ctx.backend = tuple(scalars), backend
+    ctx.sinks_dtype = None if sinks is None else sinks.dtype
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, seed = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
-    dq, dk, dv, dscores = torch.ops.fusedattn.attention_bwd(
-        dout, q, k, v, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale,
-        ctx.dropout_p, seed, mask_grad, ctx.backend,
+    dq, dk, dv, dscores, dsinks = torch.ops.fusedattn.attention_bwd(
+        dout, q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, *ctx.scalars,
+        seed, mask_grad, ctx.backend,
     )  # fmt: skip
     dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
-    return dq, dk, dv, dmask, None, None, None, None, None, None
+    dsinks = dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[6] else None
+    return (dq, dk, dv, dmask, None, None, dsinks) + (None,) * 12
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def run(
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, return_lse,
-    *, backend,
-):  # fmt: skip
-    """The `triton` and `cuda` backends of fusedattn.attention."""
+def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+             max_seqlen_k, dropout_p, scale, window, softcap, alibi_slopes, sinks, return_lse,
+             backend):  # fmt: skip
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     seed = None
     if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
     out, lse = torch.ops.fusedattn.attention_fwd(
-        q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend
-    )
+        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, window.left, window.right, window.bottom_right, scale,
+        softcap, dropout_p, seed, backend,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def run(
+    q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
+    alibi_slopes, sinks, return_lse, *, backend,
+):  # fmt: skip
+    """The `triton` and `cuda` backends of fusedattn.attention."""
+    return _forward(q, k, v, attn_mask, key_padding_mask, None, None, 0, 0, dropout_p, scale,
+                    window, softcap, alibi_slopes, sinks, return_lse, backend)  # fmt: skip
+
+
+def run_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
+    enable_gqa, window, softcap, alibi_slopes, sinks, return_lse, *, backend,
+):  # fmt: skip
+    """The `triton` backend of fusedattn.varlen_attention."""
+    return _forward(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, dropout_p, scale, window, softcap, alibi_slopes, sinks,
+                    return_lse, backend)  # fmt: skip
 
 
 run_triton = functools.partial(run, backend="triton")
 run_cuda = functools.partial(run, backend="cuda")
+run_triton_varlen = functools.partial(run_varlen, backend="triton")

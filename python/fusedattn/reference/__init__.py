@@ -1,13 +1,21 @@
 """Naive O(T²) twins of every fusedattn op, with the same signatures and semantics.
 
-`attention`, `layer_norm` and `softmax` are the correctness references and the baseline the
+`attention`, `varlen_attention`, `layer_norm` and `softmax` are the correctness references and the baseline the
 benchmarks beat; `modules` holds naive nn.Modules with torch's state_dict layout and
 `transformer` the reference model built from them.
 """
 
-from .attention import attention
+from .attention import attention, varlen_attention
 from .layernorm import layer_norm
 from .modules import LayerNorm, MultiheadAttention, Softmax
 from .softmax import softmax
 
-__all__ = ["LayerNorm", "MultiheadAttention", "Softmax", "attention", "layer_norm", "softmax"]
+__all__ = [
+    "LayerNorm",
+    "MultiheadAttention",
+    "Softmax",
+    "attention",
+    "layer_norm",
+    "softmax",
+    "varlen_attention",
+]

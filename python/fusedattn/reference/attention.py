@@ -1,8 +1,10 @@
-"""Naive O(T²) attention: the plain-torch twin of `fusedattn.attention`.
+"""Naive O(T²) attention: the plain-torch twin of `fusedattn.attention` and
+`fusedattn.varlen_attention`, every variant included.
 
 It materialises the (B, H, Tq, Tk) scores, which is what the fused kernels avoid: it is the
 correctness reference and the baseline that the benchmarks beat. Matmuls run in the input dtype
-(what naive PyTorch code does); the softmax runs in fp32 (fp64 kept).
+(what naive PyTorch code does); everything after the product (softcap, ALiBi, masks, softmax,
+sinks) runs in fp32 (fp64 kept).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..masks import merge_masks
-from ..ops.checks import check_attention_args
+from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks
+from ..ops.checks import check_attention_args, check_varlen_args
 from .softmax import safe_softmax
 
 
@@ -23,57 +25,128 @@ def expand_kv_heads(t: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def attention_scores(
-    q, k, attn_mask=None, is_causal=False, scale=None, *, key_padding_mask=None
-) -> torch.Tensor:
-    """(B, Hq, Tq, Tk) scaled scores with every mask applied (-inf where hidden), fp32/fp64."""
+    q, k, attn_mask=None, is_causal=False, scale=None, *, key_padding_mask=None, window=None,
+    softcap=0.0, alibi_slopes=None,
+) -> torch.Tensor:  # fmt: skip
+    """(B, Hq, Tq, Tk) scores with every mask applied (-inf where hidden), fp32/fp64:
+    scale·q·k, softcap, ALiBi, the float mask added; padding, bool mask and the positional
+    `window` (default: top-left causal if is_causal) exclude."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    compute = _compute_dtype(q.dtype)
+    Tq, Tk = q.shape[-2], k.shape[-2]
     k = expand_kv_heads(k, q.shape[1])
     # Scale q before the product, as naive fp16 code must: q·k at D=256 can overflow fp16.
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))
-    scores = scores.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    mask = merge_masks(
-        attn_mask, key_padding_mask, is_causal, q.shape[-2], k.shape[-2], device=q.device
-    )
+    scores = torch.matmul(q * scale, k.transpose(-2, -1)).to(compute)
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if window is None:
+        window = Window(-1, 0) if is_causal else NO_WINDOW
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(
+            alibi_slopes, Tq, Tk, bottom_right=window.bottom_right, dtype=compute
+        )
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        # before the merge: the mask's gradient is then reduced over its broadcast in fp32
+        attn_mask = attn_mask.to(compute)
+    mask = merge_masks(attn_mask, key_padding_mask, False, Tq, Tk, q.device, window=window)
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask.to(scores.dtype)
+    return scores + mask
 
 
 def log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
     """Row log-sum-exp in fp32; -inf (with zero gradient) for a row that sees no key."""
+    if scores.shape[-1] == 0:
+        return scores.new_full(scores.shape[:-1], float("-inf")).float()
     dead = scores.detach().amax(-1) == float("-inf")
     lse = torch.logsumexp(scores.masked_fill(dead.unsqueeze(-1), 0.0), dim=-1)
     return lse.masked_fill(dead, float("-inf")).float()
 
 
 def attention(
-    q,
-    k,
-    v,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    *,
-    key_padding_mask=None,
-    return_lse=False,
-):
-    """softmax(q·kᵀ·scale + mask)·v with SDPA's conventions; see `fusedattn.attention`.
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+    key_padding_mask=None, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    causal_alignment="top_left", return_lse=False,
+):  # fmt: skip
+    """softmax(scores)·v with SDPA's conventions and every variant; see `fusedattn.attention`.
 
-    A query row with no visible key gives 0 output, 0 gradients and lse = -inf.
+    With sinks, each head's sink logit joins the row's normaliser (a column whose value is
+    0). A query row with no visible key gives 0 output, 0 gradients and lse = -inf (the sink
+    with sinks).
     """
-    check_attention_args(
-        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
-    )
-    scores = attention_scores(q, k, attn_mask, is_causal, scale, key_padding_mask=key_padding_mask)
+    window = check_attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        causal_alignment=causal_alignment,
+    )  # fmt: skip
+    if key_padding_mask is not None:  # a padded key never contributes, even a NaN in v
+        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    scores = attention_scores(
+        q, k, attn_mask, scale=scale, key_padding_mask=key_padding_mask, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+    if sinks is not None:
+        B, Hq, Tq, _ = scores.shape
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(B, Hq, Tq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     probs = safe_softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     out = torch.matmul(probs.to(v.dtype), expand_kv_heads(v, q.shape[1]))
     if return_lse:
         return out, log_sum_exp(scores)
     return out
+
+
+def varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+    is_causal=False, scale=None, enable_gqa=False, *, window_size=None, softcap=0.0,
+    alibi_slopes=None, sinks=None, causal_alignment="top_left", return_lse=False,
+):  # fmt: skip
+    """Packed variable-length attention, one sequence at a time through `attention`; see
+    `fusedattn.varlen_attention`. Returns (total_q, Hq, Dv) [, lse (Hq, total_q) fp32]."""
+    check_varlen_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+        scale, enable_gqa, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, causal_alignment=causal_alignment,
+    )  # fmt: skip
+    return per_sequence(
+        attention, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, return_lse,
+        dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        window_size=window_size, softcap=softcap, sinks=sinks, causal_alignment=causal_alignment,
+    )  # fmt: skip
+
+
+def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, return_lse,
+                 **kwargs):  # fmt: skip
+    """A packed batch through a dense (B, H, T, D) attention, one sequence at a time (the
+    sequence bounds are read to the host: reference and torch backends only)."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(bounds_q) - 1):
+        qs = q[bounds_q[b] : bounds_q[b + 1]].transpose(0, 1).unsqueeze(0)
+        ks = k[bounds_k[b] : bounds_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        vs = v[bounds_k[b] : bounds_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        res = dense_attention(qs, ks, vs, alibi_slopes=slopes, return_lse=return_lse, **kwargs)
+        out, lse = res if return_lse else (res, None)
+        outs.append(out[0].transpose(0, 1))
+        if return_lse:
+            lses.append(lse[0])
+    Hq, Dv = q.shape[1], v.shape[-1]
+    out = torch.cat(outs) if outs else q.new_zeros(0, Hq, Dv)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=-1) if lses else q.new_zeros(Hq, 0, dtype=torch.float32)
+    return out, lse

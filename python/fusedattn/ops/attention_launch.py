@@ -1,0 +1,151 @@
+"""The launch arguments of the Triton attention kernels, built once per call.
+
+`TritonAttentionLaunch` reads sizes, layouts, variant flags and tiles from the custom op's
+arguments; each `*_args` method returns (grid, positional args, constexpr keywords) for one
+kernel. The custom ops launch with them, and `scripts/static_attention.py` compiles the same
+argument lists for sm_90 without a GPU (`config=` there picks the tiles to screen).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rowwise import kernels
+
+
+def dot_flags(q: torch.Tensor) -> dict:
+    """fp32 inputs to fp32 accuracy unless the user allowed TF32 (torch.backends); bf16 dots in
+    fp32 in the CPU interpreter (see _dot in the kernels)."""
+    tf32 = q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
+    return dict(
+        PRECISION="tf32" if tf32 else "ieee",
+        DOT_IN_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
+    )
+
+
+def _mask_args(q, k, attn_mask, key_padding_mask):
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    mask = None if attn_mask is None else attn_mask.expand(B, H, Tq, Tk)  # a view: strides 0
+    kpm = None if key_padding_mask is None else key_padding_mask.contiguous()
+    strides = tuple(mask.stride()) if mask is not None else (0, 0, 0, 0)
+    flags = dict(
+        HAS_MASK=mask is not None,
+        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+        HAS_KPM=kpm is not None,
+    )
+    return mask, kpm, (*strides, kpm.stride(0) if kpm is not None else 0), flags
+
+
+def bht_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides: (B, H, T, D) tensors as they are, packed (total, H, D)
+    ones with batch stride 0 (each sequence's first row comes from cu_seqlens)."""
+    return (0, t.stride(1), t.stride(0)) if varlen else tuple(t.stride()[:3])
+
+
+class TritonAttentionLaunch:
+    """What every kernel of one attention call shares."""
+
+    def __init__(
+        self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
+        scale, softcap, dropout_p, seed, *, config=None, interpreted=None,
+    ):  # fmt: skip
+        self.varlen = cu_seqlens_q is not None
+        if self.varlen:
+            self.B = cu_seqlens_q.shape[0] - 1
+            self.H, self.D = q.shape[1], q.shape[2]
+            self.Hkv, self.Dv = k.shape[1], v.shape[-1]
+            self.Tq, self.Tk = max_seqlen_q, max_seqlen_k
+            self.lse_shape = (self.H, q.shape[0])
+            self.lse_strides = (0, q.shape[0])
+            self.mask, self.kpm, self.mask_strides = None, None, (0,) * 5
+            mask_flags = dict(HAS_MASK=False, MASK_IS_BOOL=False, HAS_KPM=False)
+        else:
+            self.B, self.H, self.Tq, self.D = q.shape
+            self.Hkv, self.Tk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+            self.lse_shape = (self.B, self.H, self.Tq)
+            self.lse_strides = (self.H * self.Tq, self.Tq)
+            self.mask, self.kpm, self.mask_strides, mask_flags = _mask_args(
+                q, k, attn_mask, key_padding_mask
+            )
+        self.slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+        self.sinks = None if sinks is None else sinks.contiguous()
+        self.cu_q, self.cu_k, self.seed = cu_seqlens_q, cu_seqlens_k, seed
+        self.scalars = (scale, softcap, window_left, window_right, dropout_p)
+        interpreted = not q.is_cuda if interpreted is None else interpreted
+        flags = dot_flags(q)
+        if not interpreted:
+            flags["DOT_IN_FP32"] = False
+        self.flags = dict(
+            HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
+            SOFTCAP=softcap > 0.0, HAS_ALIBI=alibi_slopes is not None, VARLEN=self.varlen,
+            DROPOUT=dropout_p > 0.0, INTERPRETED=interpreted, **flags, **mask_flags,
+        )  # fmt: skip
+        self.alibi_stride = 0 if self.slopes is None or self.slopes.dim() == 1 else self.H
+        self.K = kernels("attention")
+        self.cfg = config or self.K.attention_config(self.D, self.Dv, q.is_cuda)
+
+    def tiles(self, kernel: str) -> dict:
+        t = getattr(self.cfg, kernel)
+        return dict(
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=self.cfg.block_d,
+            BLOCK_DV=self.cfg.block_dv, num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
+
+    def query_blocks(self, kernel: str) -> int:
+        return -(-self.Tq // getattr(self.cfg, kernel).block_m)
+
+    def key_blocks(self, kernel: str) -> int:
+        return -(-self.Tk // getattr(self.cfg, kernel).block_n)
+
+    def strides(self, t):
+        return bht_strides(t, self.varlen)
+
+    @staticmethod
+    def launch(kernel, grid, args, constexprs):
+        if grid[0]:
+            kernel[grid](*args, **constexprs)
+
+    def fwd_args(self, q, k, v, out, lse):
+        args = (
+            q, k, v, out, lse, self.mask, self.kpm, self.seed, self.slopes, self.sinks,
+            self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
+            *self.strides(out), *self.lse_strides, *self.mask_strides, self.alibi_stride,
+            self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
+            self.query_blocks("fwd"), *self.scalars,
+        )  # fmt: skip
+        constexprs = dict(HAS_SINKS=self.sinks is not None, **self.flags, **self.tiles("fwd"))
+        return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
+
+    def delta_args(self, out, do, delta):
+        args = (
+            out, do, delta, self.cu_q, *self.strides(out), *self.strides(do), *self.lse_strides,
+            self.H, self.Tq, self.Dv, self.query_blocks("dq"),
+        )  # fmt: skip
+        constexprs = dict(
+            VARLEN=self.varlen, BLOCK_M=self.cfg.dq.block_m, BLOCK_DV=self.cfg.block_dv
+        )
+        return (self.B * self.H * self.query_blocks("dq"),), args, constexprs
+
+    def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
+        args = (
+            q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.seed, self.slopes,
+            self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
+            *self.strides(do), *self.strides(dk), *self.strides(dv), *self.lse_strides,
+            *self.mask_strides, self.alibi_stride, self.H, self.Hkv, self.Tq, self.Tk, self.D,
+            self.Dv, self.H // self.Hkv, self.key_blocks("dkdv"), *self.scalars,
+        )  # fmt: skip
+        grid = (self.B * self.Hkv * self.key_blocks("dkdv"),)
+        return grid, args, dict(**self.flags, **self.tiles("dkdv"))
+
+    def dq_args(self, q, k, v, do, lse, delta, dq, dmask, mask_grad):
+        args = (
+            q, k, v, do, lse, delta, dq, dmask, self.mask, self.kpm, self.seed, self.slopes,
+            self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
+            *self.strides(do), *self.strides(dq), *self.lse_strides, *self.mask_strides,
+            self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
+            self.query_blocks("dq"), *self.scalars,
+        )  # fmt: skip
+        constexprs = dict(MASK_GRAD=mask_grad, **self.flags, **self.tiles("dq"))
+        return (self.B * self.H * self.query_blocks("dq"),), args, constexprs

@@ -1,0 +1,168 @@
+"""Compile the Triton attention kernels for Hopper (sm_90) without a GPU and print what the
+compiler made of them: registers, spills, shared memory, whether the dots became wgmma, and
+the SASS instruction mix of each key/query loop per iteration. Screen tile and variant
+candidates here before spending device minutes on them (issue #12).
+
+Run it in a venv with the GPU machine's versions (torch 2.11, triton 3.6: see
+ENVIRONMENT.md) where fusedattn is installed (`FUSEDATTN_SKIP_CUDA_BUILD=1 pip install
+--no-build-isolation --no-deps -e .`), with the shared sm90_static tool:
+
+    python scripts/static_attention.py --tool ../shared/tools/sm90_static.py \\
+        --variants plain,causal,window --tiles fwd=128x64w8s3,fwd=64x64w4s2 --csv out.csv
+
+Tiles are KERNEL=BMxBNwWARPSsSTAGES with KERNEL one of fwd, dkdv, dq; the kernels not named
+keep the default GPU tiles. Each (variant, kernel, tiles) compiles in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import dataclasses
+import importlib.util
+import os
+import re
+import sys
+
+# shapes of the H200 benchmark point (bf16, D=128): strides decide Triton's specialisation
+B, H, T, D = 1, 16, 4096, 128
+VARIANTS = {
+    "plain": {},
+    "causal": dict(window_right=0),
+    "window": dict(window_left=1024, window_right=0),
+    "key_padding": dict(kpm=True),
+    "bool_mask": dict(mask="bool"),
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(alibi=True, window_right=0),
+    "sinks": dict(sinks=True, window_right=0),
+    "varlen": dict(varlen=True, window_right=0),
+}
+KERNELS = ("fwd", "dkdv", "dq")
+
+
+def parse_tiles(spec: str):
+    kernel, _, rest = spec.partition("=")
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", rest)
+    if kernel not in KERNELS or not m:
+        raise argparse.ArgumentTypeError(f"tiles look like fwd=128x64w8s3, got {spec!r}")
+    return kernel, tuple(int(g) for g in m.groups())
+
+
+def _load_tool(path: str):
+    spec = importlib.util.spec_from_file_location("sm90_static", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.install()
+    return tool
+
+
+def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None) -> dict:
+    """Compile one kernel of one variant for sm_90; its resources and inner loops."""
+    tool = _load_tool(tool_path)
+    import torch
+
+    from fusedattn.ops.attention_launch import TritonAttentionLaunch
+    from fusedattn.triton_kernels import attention as A
+
+    v = VARIANTS[variant]
+    cfg = A.attention_config(D, D, on_gpu=True)
+    if tiles is not None:
+        cfg = dataclasses.replace(cfg, **{kernel: A.Tiles(*tiles)})
+    bf16 = dict(dtype=torch.bfloat16)
+    if v.get("varlen"):
+        q, k, vv = (torch.empty(B * T, H, D, **bf16) for _ in range(3))
+        cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
+        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T)
+        out = torch.empty_like(q)
+        lse = torch.empty(H, B * T)
+    else:
+        q, k, vv = (torch.empty(B, T, H, D, **bf16).transpose(1, 2) for _ in range(3))
+        varlen = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
+        out = torch.empty(B, T, H, D, **bf16).transpose(1, 2)
+        lse = torch.empty(B, H, T)
+    mask = None
+    if v.get("mask") == "bool":
+        mask = torch.empty(B, 1, T, T, dtype=torch.bool)
+    L = TritonAttentionLaunch(
+        q, k, vv, mask, torch.empty(B, T, dtype=torch.bool) if v.get("kpm") else None,
+        torch.empty(H) if v.get("alibi") else None, torch.empty(H) if v.get("sinks") else None,
+        window_left=v.get("window_left", -1), window_right=v.get("window_right", -1),
+        bottom_right=False, scale=D**-0.5, softcap=v.get("softcap", 0.0), dropout_p=0.0,
+        seed=None, config=cfg, interpreted=False, **varlen,
+    )  # fmt: skip
+    if kernel == "fwd":
+        fn, (grid, args, constexprs) = A.attention_fwd, L.fwd_args(q, k, vv, out, lse)
+    elif kernel == "dkdv":
+        fn, (grid, args, constexprs) = (
+            A.attention_bwd_dkdv,
+            L.dkdv_args(q, k, vv, out, lse, lse, torch.empty_like(k), torch.empty_like(vv)),
+        )
+    else:
+        fn, (grid, args, constexprs) = (
+            A.attention_bwd_dq,
+            L.dq_args(q, k, vv, out, lse, lse, torch.empty_like(q), torch.empty(0), False),
+        )
+    compiled = fn.warmup(*args, grid=grid, **constexprs)
+    t = getattr(cfg, kernel)
+    row = dict(
+        variant=variant,
+        kernel=kernel,
+        tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}",
+    )
+    row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
+    loops = tool.loops(compiled)
+    elements = t.block_m * t.block_n
+    row["loops"] = " | ".join(
+        f"{lp['instructions']} ins ({lp['instructions'] / elements * t.num_warps:.2f}/elem) "
+        f"int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} mma {lp['HGMMA'] or lp['HMMA']}"
+        for lp in loops
+    )
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument(
+        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
+    )
+    parser.add_argument("--variants", default="plain,causal", help=f"of {','.join(VARIANTS)}")
+    parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--tiles", type=parse_tiles, action="append", default=[],
+                        help="KERNEL=BMxBNwWsS, repeatable; default: the shipped tiles")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--csv", help="write the rows here too")
+    args = parser.parse_args(argv)
+    jobs = []
+    for variant in args.variants.split(","):
+        for kernel in args.kernels.split(","):
+            mine = [t for k, t in args.tiles if k == kernel] or [None]
+            jobs += [(args.tool, variant, kernel, t) for t in mine]
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(compile_one, *job): job for job in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            job = futures[future]
+            try:
+                row = future.result()
+            except Exception as exc:  # report and go on: one bad candidate must not stop a screen
+                row = dict(variant=job[1], kernel=job[2], tiles=str(job[3]), error=repr(exc)[:300])
+            rows.append(row)
+            print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.csv:
+        fields = sorted(
+            {k for r in rows for k in r},
+            key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99,
+        )
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The attention variants in the kernels (Triton: interpreter on CPU, compiled on a GPU) and in
+the torch backend, against the float64 reference under the k× rule, forward and backward:
+windows on either or both sides, bottom-right alignment, softcap, ALiBi, sinks, packed
+variable-length batches, every combination with the masks; tiles outside a window are never
+read; clear refusals where a backend cannot express a variant."""
+
+import itertools
+from functools import partial
+
+import pytest
+import torch
+from hard_shapes import AttentionShape, make_qkv
+from kx_check import assert_op_kx
+
+import fusedattn
+from fusedattn import reference
+
+pytestmark = pytest.mark.usefixtures("kernel_device")
+kernels = pytest.mark.kernels
+ALL = ("q", "k", "v")
+
+VARIANTS = {
+    "window": dict(window_size=(20, 9)),
+    "wide_window": dict(window_size=(70, 40)),
+    "left_only": dict(window_size=(33, -1)),
+    "right_only": dict(window_size=(-1, 12)),
+    "causal_window": dict(is_causal=True, window_size=(40, -1)),
+    "bottom_right_causal": dict(is_causal=True, causal_alignment="bottom_right"),
+    "bottom_right_window": dict(window_size=(10, 10), causal_alignment="bottom_right"),
+    "softcap": dict(softcap=1.0),
+    "alibi": dict(alibi="head"),
+    "alibi_per_batch_bottom_right": dict(
+        alibi="batch", is_causal=True, causal_alignment="bottom_right"
+    ),
+    "sinks": dict(sinks=True),
+    "everything": dict(
+        window_size=(25, 5),
+        causal_alignment="bottom_right",
+        softcap=2.0,
+        alibi="head",
+        sinks=True,
+        key_padding_mask=True,
+        attn_mask="float",
+    ),
+}
+SHAPES = [
+    AttentionShape(2, 4, 2, 63, 129, 16, 16),
+    AttentionShape(2, 2, 2, 129, 63, 40, 40),
+    AttentionShape(1, 2, 1, 100, 100, 16, 24),
+]
+
+
+def variant_inputs(s: AttentionShape, dtype, variant: dict, layout="transposed"):
+    """(tensors, kwargs, grad_of) for assert_op_kx: q, k, v, sinks and a float mask are
+    differentiated; ALiBi slopes (fp32, as the contract says) and key padding are not."""
+    device = torch.get_default_device()
+    q, k, v = make_qkv(s, dtype, device, layout=layout)
+    tensors, kwargs = dict(q=q, k=k, v=v), dict(enable_gqa=s.Hq != s.Hkv)
+    for name, value in variant.items():
+        if name == "alibi":
+            shape = (s.Hq,) if value == "head" else (s.B, s.Hq)
+            kwargs["alibi_slopes"] = torch.rand(shape) * 0.3
+        elif name == "sinks":
+            tensors["sinks"] = torch.randn(s.Hq, dtype=dtype)
+        elif name == "key_padding_mask":
+            lengths = torch.randint(s.Tk // 2, s.Tk + 1, (s.B,))
+            kwargs[name] = torch.arange(s.Tk) >= lengths[:, None]
+        elif name == "attn_mask":
+            tensors[name] = torch.randn(1, s.Hq, s.Tq, s.Tk, dtype=dtype)
+        else:
+            kwargs[name] = value
+    return tensors, kwargs, tuple(tensors)
+
+
+def check(backend, s, dtype, variant, **kw):
+    tensors, kwargs, grad_of = variant_inputs(s, dtype, variant, **kw)
+    op = partial(fusedattn.attention, backend=backend)
+    assert_op_kx(op, reference.attention, tensors, kwargs=kwargs, grad_of=grad_of)
+
+
+@kernels
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_triton_variants_fp32(name, shape):
+    check("triton", shape, torch.float32, VARIANTS[name])
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["wide_window", "bottom_right_causal", "softcap", "everything"])
+def test_triton_variants_half(name, dtype):
+    check("triton", SHAPES[0], dtype, VARIANTS[name])
+
+
+@kernels
+@pytest.mark.parametrize("layout", ["contiguous", "sliced"])
+def test_triton_variants_any_layout(layout):
+    check("triton", AttentionShape(2, 2, 1, 40, 70, 24, 24), torch.float32,
+          VARIANTS["everything"], layout=layout)  # fmt: skip
+
+
+@kernels
+def test_triton_rows_that_see_nothing_give_zero_grads_and_the_sink_as_lse():
+    s = AttentionShape(1, 2, 2, 40, 8, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device(), requires_grad=True)
+    sinks = torch.randn(2, requires_grad=True)
+    # bottom-right causal with Tq > Tk: the first 32 queries see no key
+    kw = dict(is_causal=True, causal_alignment="bottom_right", return_lse=True)
+    for sink in (None, sinks):
+        out, lse = fusedattn.attention(q, k, v, sinks=sink, backend="triton", **kw)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert (out[:, :, :32] == 0).all() and (grads[0][:, :, :32] == 0).all()
+        assert all(torch.isfinite(g).all() for g in grads)
+        expect = (
+            torch.full((1, 2, 32), float("-inf"))
+            if sink is None
+            else sinks.detach()[None, :, None].expand(1, 2, 32)
+        )
+        torch.testing.assert_close(lse[:, :, :32], expect)
+
+
+# ---- tiles outside the window are never read -------------------------------------------------
+
+
+def block_sizes():
+    from fusedattn.triton_kernels.attention import attention_config
+
+    cfg = attention_config(16, 16, torch.get_default_device().type == "cuda")
+    assert cfg.fwd == cfg.dkdv == cfg.dq  # the test reads one tiling for every kernel
+    return cfg.fwd.block_m, cfg.fwd.block_n
+
+
+@kernels
+def test_window_tiles_outside_every_row_are_never_read_forward_or_backward():
+    bm, bn = block_sizes()
+    T, left, right = 6 * bm, bm // 2, bm // 2
+    s = AttentionShape(1, 1, 1, T, T, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    first_hi = -(-(bm + right) // bn) * bn  # the first query block reads keys below this
+    last_lo = (T - bm - left) // bn * bn  # the last query block reads keys from this
+    for poisoned, rows in (
+        (slice(first_hi, T), slice(0, bm)),
+        (slice(0, last_lo), slice(T - bm, T)),
+    ):
+        kp, vp = k.clone(), v.clone()
+        kp[:, :, poisoned], vp[:, :, poisoned] = float("nan"), float("nan")
+        out = fusedattn.attention(q, kp, vp, window_size=(left, right), backend="triton")
+        # Had a query block computed a tile outside its window, 0 * NaN would poison it.
+        assert torch.isfinite(out[:, :, rows]).all()
+    # Backward: the first key block is only seen by queries below first_hi.
+    qp = q.clone().requires_grad_()
+    with torch.no_grad():
+        qp[:, :, first_hi:] = float("nan")
+    kg, vg = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out = fusedattn.attention(qp, kg, vg, window_size=(left, right), backend="triton")
+    dq, dk, dv = torch.autograd.grad(out[:, :, :bm].sum(), (qp, kg, vg))
+    assert torch.isfinite(dk[:, :, :bn]).all() and torch.isfinite(dv[:, :, :bn]).all()
+    assert torch.isfinite(dq[:, :, :bm]).all()
+
+
+# ---- packed variable-length batches ------------------------------------------------------------
+
+
+def packed(lengths_q, lengths_k, Hq, Hkv, D, Dv, dtype):
+    cu_q = torch.tensor([0, *itertools.accumulate(lengths_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lengths_k)], dtype=torch.int32)
+    q = torch.randn(sum(lengths_q), Hq, D, dtype=dtype)
+    k = torch.randn(sum(lengths_k), Hkv, D, dtype=dtype)
+    v = torch.randn(sum(lengths_k), Hkv, Dv, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+VARLEN_VARIANTS = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "bottom_right_causal": dict(is_causal=True, causal_alignment="bottom_right"),
+    "everything": dict(
+        window_size=(12, 3), causal_alignment="bottom_right", softcap=2.0, alibi="batch", sinks=True
+    ),
+}
+LENGTHS = ([33, 0, 70, 5, 1], [40, 9, 70, 1, 0])
+
+
+def check_varlen(backend, dtype, variant):
+    q, k, v, cu_q, cu_k = packed(*LENGTHS, 4, 2, 16, 24, dtype)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    kwargs = dict(max_seqlen_q=max(LENGTHS[0]), max_seqlen_k=max(LENGTHS[1]), enable_gqa=True)
+    grad_of = ALL
+    for name, value in variant.items():
+        if name == "alibi":
+            kwargs["alibi_slopes"] = torch.rand(len(LENGTHS[0]), 4) * 0.3
+        elif name == "sinks":
+            tensors["sinks"], grad_of = torch.randn(4, dtype=dtype), (*ALL, "sinks")
+        else:
+            kwargs[name] = value
+    op = partial(fusedattn.varlen_attention, backend=backend)
+    assert_op_kx(op, reference.varlen_attention, tensors, kwargs=kwargs, grad_of=grad_of)
+
+
+@kernels
+@pytest.mark.parametrize("name", VARLEN_VARIANTS)
+def test_triton_varlen_fp32(name):
+    check_varlen("triton", torch.float32, VARLEN_VARIANTS[name])
+
+
+@kernels
+def test_triton_varlen_bf16():
+    check_varlen("triton", torch.bfloat16, VARLEN_VARIANTS["everything"])
+
+
+@kernels
+def test_varlen_lse_layout_and_sequences_never_read_each_other():
+    q, k, v, cu_q, cu_k = packed(*LENGTHS, 4, 2, 16, 24, torch.float32)
+    kp, vp = k.clone(), v.clone()
+    kp[cu_k[2] : cu_k[3]] = float("nan")  # the third sequence's keys
+    vp[cu_k[2] : cu_k[3]] = float("nan")
+    args = (cu_q, cu_k, max(LENGTHS[0]), max(LENGTHS[1]))
+    out, lse = fusedattn.varlen_attention(q, kp, vp, *args, enable_gqa=True, return_lse=True,
+                                          backend="triton")  # fmt: skip
+    others = torch.cat([torch.arange(cu_q[2]), torch.arange(cu_q[3], cu_q[-1])])
+    assert torch.isfinite(out[others]).all() and lse.shape == (4, cu_q[-1])
+    _, want = reference.varlen_attention(q.double(), k.double(), v.double(), *args,
+                                         enable_gqa=True, return_lse=True)  # fmt: skip
+    torch.testing.assert_close(lse[:, others], want[:, others], rtol=1e-5, atol=1e-5)
+
+
+# ---- dropout with a window and sinks: the same mask forward and backward ----------------------
+
+
+@kernels
+def test_dropout_with_window_and_sinks_matches_float64_with_the_kernels_mask():
+    s = AttentionShape(1, 2, 2, 48, 48, 16, 16)
+    q, k, _ = make_qkv(s, torch.float32, torch.get_default_device())
+    sinks = torch.randn(2)
+    kw = dict(window_size=(9, 4), sinks=sinks, backend="triton")
+    eye = torch.eye(48).expand(1, 2, 48, 48).contiguous()
+    torch.manual_seed(3)
+    dropped = fusedattn.attention(q, k, eye, dropout_p=0.25, **kw)  # v = I: the probabilities
+    probs = reference.attention(q.double(), k.double(), eye.double(), window_size=(9, 4),
+                                sinks=sinks.double())  # fmt: skip
+    kept = dropped != 0
+    assert abs(kept[probs > 0].float().mean().item() - 0.75) < 0.05
+    torch.testing.assert_close(dropped[kept].double(), probs[kept] / 0.75)
+    v = torch.randn(1, 2, 48, 16, requires_grad=True)
+    qg = q.clone().requires_grad_()
+    torch.manual_seed(3)
+    out = fusedattn.attention(qg, k, v, dropout_p=0.25, **kw)
+    q64, v64 = qg.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    p64 = reference.attention(q64, k.double(), eye.double(), window_size=(9, 4),
+                              sinks=sinks.double())  # fmt: skip
+    want = (p64 * kept / 0.75) @ v64
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (qg, v), grad),
+                    torch.autograd.grad(want, (q64, v64), grad.double()), strict=True):  # fmt: skip
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+# ---- the torch backend: exact where SDPA can express a variant, a refusal where not --------------
+
+TORCH_EXPRESSIBLE = ["window", "right_only", "causal_window", "bottom_right_causal",
+                     "bottom_right_window", "alibi", "alibi_per_batch_bottom_right", "sinks"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TORCH_EXPRESSIBLE)
+def test_torch_backend_variants_fp32(name, device):
+    with torch.device(device):
+        check("torch", SHAPES[0], torch.float32, VARIANTS[name])
+
+
+def test_torch_backend_window_with_padding_float_mask_and_sinks(device):
+    variant = dict(window_size=(25, 5), causal_alignment="bottom_right", sinks=True,
+                   key_padding_mask=True, attn_mask="float")  # fmt: skip
+    with torch.device(device):
+        check("torch", SHAPES[1], torch.float32, variant)
+
+
+@pytest.mark.parametrize("name", ["plain", "bottom_right_causal"])
+def test_torch_backend_varlen(name, device):
+    with torch.device(device):
+        check_varlen("torch", torch.float32, VARLEN_VARIANTS[name])
+
+
+def test_torch_backend_refuses_what_sdpa_cannot_express_exactly():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="cannot apply softcap"):
+        fusedattn.attention(q, q, q, softcap=5.0, backend="torch")
+    half = q.bfloat16()
+    with pytest.raises(ValueError, match=r"rounds -slope"):
+        fusedattn.attention(half, half, half, alibi_slopes=torch.rand(2), backend="torch")
+    with pytest.raises(ValueError, match="would round"):
+        fusedattn.attention(half, half, half, sinks=torch.randn(2), backend="torch")
+    # auto on CPU takes the reference for them, never a silently different answer
+    out = fusedattn.attention(q, q, q, softcap=5.0)
+    torch.testing.assert_close(out, reference.attention(q, q, q, softcap=5.0))
+
+
+def test_cuda_backend_refuses_the_variants_it_does_not_have():
+    from fusedattn.masks import Window
+    from fusedattn.ops import flash_attention
+
+    q = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
+    reasons = flash_attention.cuda_refusals(
+        q=q, k=q, v=q, window=Window(8, 0), softcap=1.0, alibi_slopes=torch.rand(2),
+        sinks=torch.randn(2),
+    )  # fmt: skip
+    text = " ".join(reasons)
+    assert "window (left=8, right=0)" in text
+    assert all(name in text for name in ("softcap", "alibi_slopes", "sinks"))
+    assert not any("window" in r for r in flash_attention.cuda_refusals(q=q, k=q, v=q,
+                                                                           window=Window(-1, 0)))  # fmt: skip
+    assert "packed variable-length" in flash_attention.cuda_varlen_refusals()[0]
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+BAD = [
+    (dict(window_size=(3,)), TypeError, "pair of ints"),
+    (dict(window_size=(-2, 3)), ValueError, ">= 0, or -1"),
+    (dict(window_size=(1.5, 2)), TypeError, "pair of ints"),
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+    (
+        dict(alibi_slopes=torch.rand(3)),
+        ValueError,
+        r"alibi_slopes must have shape \(Hq,\) = \(2,\)",
+    ),
+    (
+        dict(alibi_slopes=torch.rand(2, dtype=torch.float64)),
+        TypeError,
+        "alibi_slopes must be float32",
+    ),
+    (dict(sinks=torch.randn(3)), ValueError, r"sinks must have shape \(Hq,\)"),
+    (dict(sinks=torch.randn(2, 1)), ValueError, "sinks must be 1-D"),
+    (dict(causal_alignment="bottom"), ValueError, "causal_alignment must be"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+@pytest.mark.parametrize("bad,error,match", BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_variant_arguments_get_clear_errors(backend, bad, error, match):
+    q = torch.randn(1, 2, 4, 8, device="cpu")
+    with pytest.raises(error, match=match):
+        fusedattn.attention(q, q, q, backend=backend, **bad)
+
+
+def test_bad_varlen_arguments_get_clear_errors():
+    q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8, 8, torch.float32)
+    args = (q.cpu(), k.cpu(), v.cpu())
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        fusedattn.varlen_attention(*args, cu_q.long().cpu(), cu_k.cpu(), 4, 4)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        fusedattn.varlen_attention(q[None].cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 4, 4)
+    with pytest.raises(TypeError, match="max_seqlen_k must be a non-negative int"):
+        fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k.cpu(), 4, 4.0)
+    with pytest.raises(ValueError, match="B \\+ 1"):
+        fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k[:2].cpu(), 4, 4)
