@@ -5,6 +5,15 @@
 Every impl gets the same mask (SDPA through one merged mask, as a user would pass it). The
 `pass` column checks each impl's forward against float64 with the k× rule on a slice of the
 case (one batch, two heads), so the check stays cheap at large T.
+
+Two variant rows (mask column):
+- `window`: causal sliding window (Mistral-style, W keys); fusedattn takes `window_size` and
+  skips the tiles outside it, `fusedattn-<b>+dense` is the same attention given the window as
+  a dense bool mask (what a user without window support passes), SDPA gets that dense mask,
+  FlexAttention a block mask. TFLOP/s count the window's FLOPs (visible pairs), not T².
+- `varlen`: a packed batch of sequences with lengths uniform in [T/2, T];
+  `fusedattn.varlen_attention` on the packed tokens against SDPA and the naive path on the
+  padded batch with key padding. TFLOP/s count the useful FLOPs (sum of L² per sequence).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import fusedattn
 from fusedattn import masks, reference
 
 MASKS = ("none", "key_padding", "dense")
+VARIANT_MASKS = ("window", "varlen")
 
 
 @dataclass(frozen=True)
@@ -38,12 +48,32 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
     if device.type != "cuda":
         # CPU: small shapes that show the harness works; speed there is not the product.
         grid = itertools.product([128, 256], [64], [False, True], ["none", "key_padding"])
-        return [Case(1, 2, T, D, c, m, torch.float32) for T, D, c, m in grid]
+        return [Case(1, 2, T, D, c, m, torch.float32) for T, D, c, m in grid] + [
+            Case(1, 2, 256, 64, True, "window", torch.float32),
+            Case(3, 2, 128, 64, False, "varlen", torch.float32),
+        ]
     # GPU: H = 16 and B·T = 16k tokens, the ENVIRONMENT.md comparison point.
     lengths = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384]
     mask_kinds = ["none", "key_padding"] if quick else list(MASKS)
     grid = itertools.product(lengths, [64, 128], [False, True], mask_kinds)
-    return [Case(max(1, 16384 // T), 16, T, D, c, m, torch.bfloat16) for T, D, c, m in grid]
+    variants = [
+        Case(1, 16, 16384, 128, True, "window", torch.bfloat16),  # issue #16: W = 4096
+        Case(8, 16, 4096, 128, False, "varlen", torch.bfloat16),
+        Case(8, 16, 4096, 128, True, "varlen", torch.bfloat16),
+    ]
+    return [
+        Case(max(1, 16384 // T), 16, T, D, c, m, torch.bfloat16) for T, D, c, m in grid
+    ] + variants
+
+
+def window_size(case: Case) -> int:
+    """Keys a query of the window case sees (itself and W - 1 before it)."""
+    return case.T // 4
+
+
+def window_mask(case: Case, device) -> torch.Tensor:
+    """The window as the dense (T, T) bool mask a user without window support passes."""
+    return masks.window_mask(masks.Window(window_size(case) - 1, 0), case.T, case.T, device)
 
 
 def make_inputs(case: Case, device):
@@ -55,6 +85,11 @@ def make_inputs(case: Case, device):
         key_padding_mask = masks.padding_mask_from_lengths(lengths, case.T)
     elif case.mask == "dense":
         attn_mask = torch.rand(case.B, 1, case.T, case.T, device=device) > 0.1
+    elif case.mask == "window":
+        attn_mask = window_mask(case, device)
+    elif case.mask == "varlen":
+        lengths = torch.randint(case.T // 2, case.T + 1, (case.B,), device=device)
+        key_padding_mask = masks.padding_mask_from_lengths(lengths, case.T)
     return q, k, v, attn_mask, key_padding_mask
 
 
@@ -92,7 +127,7 @@ def flex_attention_impl():
                 if kpm is not None:
                     keep = keep & ~kpm[b, ki]
                 if m is not None:
-                    keep = keep & m[b, 0, qi, ki]
+                    keep = keep & (m[qi, ki] if m.dim() == 2 else m[b, 0, qi, ki])
                 return keep
 
             block_masks[key] = create_block_mask(
@@ -145,7 +180,7 @@ def check_on_slice(fn, inputs, causal):
     q, k, v, m, kpm = inputs
     sl = (slice(0, 1), slice(0, 2))
     qs, ks, vs = (t[sl].detach() for t in (q, k, v))
-    ms = None if m is None else m[:1]
+    ms = None if m is None else (m[:1] if m.dim() == 4 else m)
     kpms = None if kpm is None else kpm[:1]
     with torch.no_grad():
         out = fn(qs, ks, vs, ms, kpms, causal)
@@ -156,11 +191,87 @@ def check_on_slice(fn, inputs, causal):
     return harness.correctness(out, ref, base)
 
 
+def window_impls(case: Case, base: dict) -> dict:
+    """The window case: the dense-mask impls as they are, each fusedattn backend twice (its
+    window_size, and the same attention through the dense mask)."""
+    impls = {n: fn for n, fn in base.items() if not n.startswith("fusedattn-")}
+    window = (window_size(case) - 1, 0)
+    for name in (n for n in base if n.startswith("fusedattn-")):
+        b = name.split("-", 1)[1]
+        impls[name] = lambda q, k, v, m, kpm, c, b=b: fusedattn.attention(
+            q, k, v, is_causal=True, window_size=window, backend=b
+        )
+        impls[name + "+dense"] = lambda q, k, v, m, kpm, c, b=b: fusedattn.attention(
+            q, k, v, m, backend=b
+        )
+    return impls
+
+
+class Packed:
+    """A padded batch's valid tokens packed back to back, as a packing dataloader gives them:
+    the leaves of the varlen rows (packing is not timed)."""
+
+    def __init__(self, q, k, v, kpm):
+        keep = ~kpm
+        lengths = keep.sum(-1).int()
+        self.cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        self.longest = int(lengths.max())
+        self.q, self.k, self.v = (t.transpose(1, 2)[keep].contiguous() for t in (q, k, v))
+
+    def impls(self, device, causal) -> dict:
+        """{fusedattn-<b>: fn(q, k, v) on the packed tokens}."""
+        return {
+            f"fusedattn-{b}": lambda q, k, v, b=b: fusedattn.varlen_attention(
+                q,
+                k,
+                v,
+                self.cu,
+                self.cu,
+                self.longest,
+                self.longest,
+                is_causal=causal,
+                backend=b,
+            )
+            for b in harness.kernel_backends("varlen_attention", device)
+        }
+
+    def check(self, impl, causal, heads=2):
+        """k× verdict of `fusedattn-<backend>` on the first sequence's first heads, against
+        float64 (its own cu_seqlens: the packed impls close over the whole batch's)."""
+        n = int(self.cu[1])
+        cu = self.cu[:2].clone()
+        qs, ks, vs = (t[:n, :heads].detach() for t in (self.q, self.k, self.v))
+        args = (cu, cu, n, n)
+        with torch.no_grad():
+            out = fusedattn.varlen_attention(qs, ks, vs, *args, is_causal=causal,
+                                             backend=impl.split("-", 1)[1])  # fmt: skip
+            ref = reference.varlen_attention(qs.double(), ks.double(), vs.double(), *args,
+                                             is_causal=causal)  # fmt: skip
+            base = reference.varlen_attention(qs, ks, vs, *args, is_causal=causal)
+        return harness.correctness(out, ref, base)
+
+
+def variant_flops(case: Case, inputs, mode: str) -> float:
+    """Useful FLOPs of the variant cases: the window's visible pairs, or sum of L^2."""
+    per_pair = harness.attention_flops(1, case.H, 1, 1, case.D, mode=mode)
+    if case.mask == "window":
+        pairs = int(window_mask(case, "cpu").sum())
+        return case.B * per_pair * pairs
+    lengths = (~inputs[4]).sum(-1).double()
+    pairs = (lengths * (lengths + 1) / 2 if case.causal else lengths**2).sum().item()
+    return per_pair * pairs
+
+
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
-    impls = implementations(device, quick)
+    base_impls = implementations(device, quick)
     rows = []
     for case in cases(quick, device):
         inputs = make_inputs(case, device)
+        impls = base_impls
+        if case.mask == "window":
+            impls = window_impls(case, base_impls)
+        elif case.mask == "varlen":  # fusedattn runs the packed tokens (below)
+            impls = {n: fn for n, fn in base_impls.items() if not n.startswith("fusedattn-")}
         q, k, v, m, kpm = inputs
         fields = dict(
             dtype=str(case.dtype)[6:],
@@ -173,7 +284,9 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
             mask=case.mask,
         )
 
-        def work(mode, case=case):
+        def work(mode, case=case, inputs=inputs):
+            if case.mask in VARIANT_MASKS:
+                return variant_flops(case, inputs, mode), None
             flops = harness.attention_flops(
                 case.B, case.H, case.T, case.T, case.D, causal=case.causal, mode=mode
             )
@@ -184,9 +297,20 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
             impls={name: (lambda q, k, v, fn=fn, m=m, kpm=kpm, c=case.causal:
                           fn(q, k, v, m, kpm, c)) for name, fn in impls.items()},
             leaves=[q, k, v],
-            check=lambda name, inputs=inputs, c=case.causal: check_on_slice(impls[name], inputs, c),
+            check=lambda name, inputs=inputs, c=case.causal, impls=impls: check_on_slice(
+                impls[name], inputs, c
+            ),
             fields=fields, work=work,
         )  # fmt: skip
+        if case.mask == "varlen":
+            packed = Packed(q, k, v, kpm)
+            packed_impls = packed.impls(device, case.causal)
+            rows += harness.measure(
+                env, device, op="attention", impls=packed_impls,
+                leaves=[packed.q, packed.k, packed.v],
+                check=lambda name, p=packed, c=case.causal: p.check(name, c),
+                fields=fields, work=work,
+            )  # fmt: skip
     harness.add_speedups(rows)
     return rows
 

@@ -353,5 +353,10 @@ def test_bad_varlen_arguments_get_clear_errors():
         fusedattn.varlen_attention(q[None].cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 4, 4)
     with pytest.raises(TypeError, match="max_seqlen_k must be a non-negative int"):
         fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k.cpu(), 4, 4.0)
+    for backend in ("reference", "torch"):  # they read cu_seqlens anyway, so they check it
+        with pytest.raises(ValueError, match="must rise from 0 to the 7 packed rows"):
+            fusedattn.varlen_attention(*args, cu_q.cpu() + 1, cu_k.cpu(), 4, 4, backend=backend)
+        with pytest.raises(ValueError, match="max_seqlen_k=3 is below a sequence of 4"):
+            fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k.cpu(), 4, 3, backend=backend)
     with pytest.raises(ValueError, match="B \\+ 1"):
         fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k[:2].cpu(), 4, 4)

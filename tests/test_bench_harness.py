@@ -116,6 +116,30 @@ def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys
     assert "fusedattn-cuda not measured" in text
 
 
+@pytest.mark.kernels
+def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
+    """The GPU-only fusedattn rows of the variant cases, run here through the interpreter so a
+    GPU session does not find their bugs: window_size and the same window as a dense mask,
+    and varlen_attention on packed tokens; every row passes the k× check."""
+    import bench_attention
+
+    monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
+    monkeypatch.setattr(harness, "time_ms", lambda fn, device, reps=1: (fn(), 1.0)[1])
+    variants = [
+        c
+        for c in bench_attention.cases(True, torch.device("cpu"))
+        if c.mask in ("window", "varlen")
+    ]
+    monkeypatch.setattr(bench_attention, "cases", lambda quick, device: variants)
+    rows = bench_attention.run(True, torch.device("cpu"), {"device": "cpu"})
+    impls = {(r["mask"], r["impl"]) for r in rows}
+    assert {("window", "fusedattn-triton"), ("window", "fusedattn-triton+dense"),
+            ("varlen", "fusedattn-triton"), ("varlen", "sdpa")} <= impls  # fmt: skip
+    assert all(r["pass"] == "yes" for r in rows), [r for r in rows if r["pass"] != "yes"]
+    window = [r for r in rows if r["mask"] == "window" and r["mode"] == "fwd"]
+    assert len({r["tflops"] for r in window}) == 1  # one FLOP count (the window's) for all
+
+
 def _rows(**changes):
     env = {"device": "cpu"}
     base = dict(op="softmax", mode="fwd", impl="torch", dtype="float32", M=8, N=16, ms=1.0)

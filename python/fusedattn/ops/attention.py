@@ -101,13 +101,16 @@ def _torch_attention(
     )  # fmt: skip
 
 
-def _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, window, return_lse, **kw):
+def _torch_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, window,
+    return_lse, **kw,
+):  # fmt: skip
     from ..reference.attention import per_sequence  # (reference imports ops: import late)
 
     kw = {n: kw[n] for n in ("dropout_p", "scale", "enable_gqa", "softcap", "sinks")}
     return per_sequence(
-        attention, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, return_lse,
-        backend="torch", **_public_window_args(window), **kw,
+        attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        alibi_slopes, return_lse, backend="torch", **_public_window_args(window), **kw,
     )  # fmt: skip
 
 
@@ -224,8 +227,10 @@ def varlen_attention(
 
     q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_seqlens_q/k int32
     (B + 1,) prefix sums: sequence b is rows cu[b]:cu[b + 1] (cu[0] = 0, cu[B] = total);
-    max_seqlen_q/k bound every sequence's length (they size the kernel grid and are trusted,
-    as in flash-attention). Every option of `attention` (positions per sequence, windows,
+    max_seqlen_q/k bound every sequence's length. The kernels trust cu_seqlens and max_seqlen
+    (reading them would cost a device sync): as in flash-attention, a cu_seqlens past the
+    packed rows reads out of bounds, a max_seqlen below a length leaves rows unwritten; the
+    reference and torch backends check both. Every option of `attention` (positions per sequence, windows,
     softcap, ALiBi, sinks, dropout) applies. Returns (total_q, Hq, Dv) [, lse (Hq, total_q)
     float32]. The reference and torch backends run one sequence at a time (and read
     cu_seqlens to the host); the Triton kernels take the packed batch in one launch.
