@@ -9,14 +9,18 @@ ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
 export CUDA_HOME ?= /usr/local/cuda
 endif
 
-# transformers: for the Hugging Face integration tests (the optional [hf] extra).
-RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib transformers
+# transformers: for the Hugging Face integration tests (the optional [hf] extra); build: the
+# sdist round trip test. pip install --no-build-isolation uses the environment's setuptools,
+# so pyproject's build requirements are installed here too (a new venv has setuptools 65).
+RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib transformers build
+BUILD_DEPS := "setuptools>=70.1" wheel
 LINT_DEPS := ruff clang-format
 CSRC := $(shell find csrc -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h')
-# One stamp per Python environment, so a new venv reinstalls.
+# One stamp per Python environment, so a new venv reinstalls. Not under build/: a build/
+# folder at the root shadows the `build` package (`python -m build` would fail).
 ENV_ID := $(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])")
-INSTALL_STAMP := build/.installed-$(ENV_ID)
-OUT ?= build/gpu-check
+INSTALL_STAMP := .make/installed-$(ENV_ID)
+OUT ?= .make/gpu-check
 
 .PHONY: install deps test test-fast test-gpu bench lint lint-deps format gpu-check clean
 
@@ -25,9 +29,10 @@ deps:
 	if [ -n "$$missing" ]; then echo "installing:" $$missing; $(PIP) install $$missing; fi
 
 install: deps
+	$(PIP) install -q $(BUILD_DEPS)
 	$(PIP) install --no-build-isolation -e .
 	@$(PYTHON) -m fusedattn.info --extension
-	@mkdir -p build && touch $(INSTALL_STAMP)
+	@mkdir -p .make && touch $(INSTALL_STAMP)
 
 $(INSTALL_STAMP): setup.py pyproject.toml $(CSRC)
 	$(MAKE) install
@@ -64,4 +69,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(OUT)
 
 clean:
-	rm -rf build dist python/*.egg-info python/fusedattn/_C*.so
+	rm -rf build dist .make python/*.egg-info python/fusedattn/_C*.so

@@ -11,43 +11,38 @@ Environment:
   TORCH_CUDA_ARCH_LIST          archs to compile for; default "8.0;9.0a" (A100 and Hopper)
   MAX_JOBS                      parallel compile jobs (read by torch's ninja build)
   CUDA_HOME                     CUDA toolkit; guessed from nvcc when unset
+
+The CUDA sources also ship inside the package (fusedattn/_csrc): where the extension was not
+built here (plain `pip install .` builds in an isolated environment without torch),
+backend="cuda" compiles it on first use into a per-user cache (fusedattn.ops.extension).
 """
 
+import importlib.util
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_ARCH_LIST = "8.0;9.0a"
+
+
+def _load_toolkit_helpers():
+    """python/fusedattn/_build/toolkit.py (stdlib only), shared with the first-use build."""
+    path = ROOT / "python" / "fusedattn" / "_build" / "toolkit.py"
+    spec = importlib.util.spec_from_file_location("fusedattn_build_toolkit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+toolkit = _load_toolkit_helpers()
+DEFAULT_ARCH_LIST = toolkit.DEFAULT_ARCH_LIST
+guess_cuda_home = toolkit.guess_cuda_home
 
 
 def _flag(name: str, environ=os.environ) -> bool:
     return environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _is_toolkit(root: Path) -> bool:
-    return (root / "include" / "cuda_runtime.h").exists() and (root / "bin" / "nvcc").exists()
-
-
-def guess_cuda_home(environ=os.environ) -> str | None:
-    """The toolkit root: $CUDA_HOME if it holds a toolkit, else the root of the real nvcc.
-
-    torch derives CUDA_HOME from `which nvcc`, which picks /usr/local when nvcc is a wrapper
-    script in /usr/local/bin; the link then fails on -lcudart. So look for a root that has
-    include/cuda_runtime.h and bin/nvcc: $CUDA_HOME, the nvcc on PATH followed through links,
-    then /usr/local/cuda.
-    """
-    if environ.get("CUDA_HOME"):
-        return environ["CUDA_HOME"] if _is_toolkit(Path(environ["CUDA_HOME"])) else None
-    candidates = []
-    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
-    if nvcc:
-        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
-    candidates.append(Path("/usr/local/cuda"))
-    return next((str(root) for root in candidates if _is_toolkit(root)), None)
 
 
 def cuda_build_decision(environ=os.environ) -> tuple[bool, str]:
@@ -58,8 +53,9 @@ def cuda_build_decision(environ=os.environ) -> tuple[bool, str]:
         import torch
     except ImportError:
         return False, (
-            "torch is not importable in the build environment "
-            "(build with `pip install --no-build-isolation .` to compile fusedattn._C)"
+            "torch is not importable in the build environment (pip's isolated build); "
+            "backend='cuda' compiles it on first use, or build it now with "
+            "`pip install --no-build-isolation .`"
         )
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} is a CPU build"
@@ -90,22 +86,16 @@ def cuda_extensions():
     arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
-    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
+    sources = [str(p.relative_to(ROOT)) for p in toolkit.sources(ROOT / "csrc")]
     print(f"fusedattn: building fusedattn._C for TORCH_CUDA_ARCH_LIST={arch_list}: {reason}")
     ext = CUDAExtension(
         name="fusedattn._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
-        # No -std flag: torch.utils.cpp_extension picks the standard its headers need (C++20
-        # from torch 2.14 on, C++17 before). No --use_fast_math: fp32 inputs must be computed
-        # to fp32 accuracy, so kernels choose fast intrinsics (exp2f, rsqrtf) explicitly.
         extra_compile_args={
-            "cxx": ["-O3"],
+            "cxx": toolkit.CXX_FLAGS,
             "nvcc": [
-                "-O3",
-                "--expt-relaxed-constexpr",
-                "-lineinfo",
+                *toolkit.NVCC_FLAGS,
                 # FUSEDATTN_TUNING=1: extra attention tile variants, picked at run time by
                 # scripts/tune_attention.py (GPU tuning runs only; never in a release build).
                 *(["-DFUSEDATTN_TUNING"] if os.environ.get("FUSEDATTN_TUNING") == "1" else []),
@@ -122,12 +112,16 @@ if __name__ == "__main__":
             "fusedattn",
             *(f"fusedattn.{p}" for p in find_packages("python/fusedattn")),
             "fusedattn.triton_kernels",
+            "fusedattn._csrc",
         ],
         package_dir={
             "fusedattn": "python/fusedattn",
             # Never a top-level `triton_kernels`: PyPI already has a package of that name.
             "fusedattn.triton_kernels": "triton_kernels",
+            # The CUDA sources, for the first-use build where _C was not built at install.
+            "fusedattn._csrc": "csrc",
         },
+        package_data={"fusedattn._csrc": ["*.cpp", "**/*.cu", "**/*.cuh", "**/*.h"]},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
         zip_safe=False,

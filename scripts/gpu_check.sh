@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU call: build fusedattn._C for this card, run the GPU tests and the quick
 # benchmarks, and write logs and CSVs into the folder given (default $OUT, else
-# build/gpu-check). No network is assumed: nothing is downloaded. Each step has a time limit
+# .make/gpu-check). No network is assumed: nothing is downloaded. Each step has a time limit
 # so the whole run stays inside one device call (600 s); a failing step does not stop the
 # others. GPU_CHECK_STEPS picks steps (default: all, in this order):
 #   build info cuda-attention bench-attention tests bench-rowwise
@@ -11,7 +11,7 @@
 #   bash scripts/gpu_check.sh OUT_DIR        (or: make gpu-check OUT=OUT_DIR)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out_dir=${1:-${OUT:-build/gpu-check}}
+out_dir=${1:-${OUT:-.make/gpu-check}}
 mkdir -p "$out_dir"
 exec > >(tee "$out_dir/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1

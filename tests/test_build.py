@@ -29,7 +29,7 @@ def test_skip_flag_wins(setup_module_):
 
 
 def test_no_toolkit_means_a_clean_skip(setup_module_, tmp_path, monkeypatch):
-    monkeypatch.setattr(setup_module_, "Path", lambda p: tmp_path / "nowhere")
+    monkeypatch.setattr(setup_module_.toolkit, "Path", lambda p: tmp_path / "nowhere")
     build, reason = setup_module_.cuda_build_decision({"PATH": str(tmp_path)})
     import torch
 

@@ -168,3 +168,29 @@ def test_dispatch_traces_without_graph_breaks_on_the_gpu_order():
 
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q), f(q))
+
+
+def test_cuda_named_may_compile_the_extension_on_first_use_auto_never_waits(monkeypatch):
+    """Without a built extension but with a toolkit: backend="cuda" is accepted (its first
+    call compiles the extension), auto skips cuda with the reason; once built, both use it."""
+    cuda = torch.device("cuda")
+    for name, value in (("EXTENSION", None), ("EXTENSION_ORIGIN", ""), ("EXTENSION_OPS", frozenset()),
+                        ("EXTENSION_ERROR", "not built; backend='cuda' compiles it")):  # fmt: skip
+        monkeypatch.setattr(backends, name, value)  # restored after the test
+    monkeypatch.setattr(backends, "BUILD_ON_FIRST_USE", True)
+    assert backends.device_refusals("cuda", cuda) == []
+    assert backends.device_refusals("cuda", cuda, auto=True) == [backends.EXTENSION_ERROR]
+
+    class Built:
+        @staticmethod
+        def build_info():
+            return {"ops": ["attention", "layer_norm", "softmax"]}
+
+    built = []
+    monkeypatch.setattr(backends.extension_loader, "build", lambda: built.append(1) or Built)
+    assert backends.extension() is Built and backends.extension() is Built and built == [1]
+    assert backends.EXTENSION_ORIGIN == "first-use build" and "softmax" in backends.EXTENSION_OPS
+    assert backends.device_refusals("cuda", cuda, auto=True) == []
+    monkeypatch.setattr(backends, "EXTENSION", None)
+    monkeypatch.setattr(backends, "BUILD_ON_FIRST_USE", False)  # no toolkit: refused by name
+    assert backends.device_refusals("cuda", cuda) == [backends.EXTENSION_ERROR]

@@ -31,14 +31,19 @@ def _cuda_version_str(v: int) -> str:
 
 
 def extension_info() -> dict:
-    """fusedattn._C's build facts, or why it is unavailable."""
-    if backends.EXTENSION_ERROR:
-        return {"built": False, "reason": backends.EXTENSION_ERROR}
-    from . import _C
-
-    raw = _C.build_info()
+    """fusedattn._C's build facts (built ahead of time or on first use), or why it is
+    unavailable and whether backend="cuda" would compile it."""
+    if backends.EXTENSION is None:
+        return {
+            "built": False,
+            "reason": backends.EXTENSION_ERROR,
+            "build_on_first_use": backends.BUILD_ON_FIRST_USE,
+        }
+    raw = backends.EXTENSION.build_info()
     return {
         "built": True,
+        "origin": backends.EXTENSION_ORIGIN,
+        "path": getattr(backends.EXTENSION, "__file__", ""),
         "cuda_compiled": _cuda_version_str(raw["cuda_compiled"]),
         "cuda_runtime": _cuda_version_str(raw["cuda_runtime"]),
         "archs": [f"sm_{a // 10}" for a in raw["archs"]],
@@ -84,7 +89,8 @@ def extension_line(ext: dict) -> str:
     if not ext["built"]:
         return f"fusedattn._C: not available: {ext['reason']}"
     return (
-        f"fusedattn._C: built with CUDA {ext['cuda_compiled']} (runtime {ext['cuda_runtime']})"
+        f"fusedattn._C: {ext['origin']} ({ext['path']}), built with CUDA "
+        f"{ext['cuda_compiled']} (runtime {ext['cuda_runtime']})"
         f" for {', '.join(ext['archs']) or 'no archs'}; torch {ext['torch_compiled']}; "
         f"ops: {', '.join(ext['ops']) or 'none yet'}"
     )

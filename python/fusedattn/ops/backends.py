@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import extension as extension_loader
+
 BACKENDS = ("reference", "torch", "triton", "cuda")
 ENV_VAR = "FUSEDATTN_BACKEND"
 OPS = ("attention", "varlen_attention", "layer_norm", "softmax")
@@ -63,18 +65,26 @@ def no_refusals(**_inputs) -> list[str]:
 # ---- process- and device-level reasons, shared by every op of a backend -------------------
 
 
-def _probe_extension() -> tuple[str | None, frozenset[str]]:
-    """(why fusedattn._C does not load, or None; the ops it was built with)."""
-    try:
-        extension = importlib.import_module("fusedattn._C")
-    except ImportError as exc:
-        return f"fusedattn._C is not built or does not load ({exc})", frozenset()
-    return None, frozenset(extension.build_info()["ops"])
-
-
 # Probed once at import (neither touches CUDA nor imports triton), so dispatch stays plain
-# attribute reads that torch.compile traces without graph breaks.
-EXTENSION_ERROR, EXTENSION_OPS = _probe_extension()
+# attribute reads that torch.compile traces without graph breaks. EXTENSION is the loaded
+# module (ahead-of-time fusedattn._C or a cached first-use build) or None; EXTENSION_ERROR
+# says why not; BUILD_ON_FIRST_USE: backend="cuda" may compile it (see ops/extension.py).
+EXTENSION, EXTENSION_ORIGIN, EXTENSION_ERROR = extension_loader.probe()
+EXTENSION_OPS = frozenset(EXTENSION.build_info()["ops"]) if EXTENSION else frozenset()
+BUILD_ON_FIRST_USE = EXTENSION is None and extension_loader.cannot_build() is None
+
+
+def extension():
+    """The CUDA extension, compiled now if this is the first use of backend="cuda" (dispatch
+    has already checked that it is built or buildable)."""
+    global EXTENSION, EXTENSION_ORIGIN, EXTENSION_ERROR, EXTENSION_OPS, BUILD_ON_FIRST_USE
+    if EXTENSION is None:
+        EXTENSION = extension_loader.build()
+        EXTENSION_ORIGIN, EXTENSION_ERROR, BUILD_ON_FIRST_USE = "first-use build", None, False
+        EXTENSION_OPS = frozenset(EXTENSION.build_info()["ops"])
+    return EXTENSION
+
+
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
@@ -82,8 +92,9 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def device_refusals(backend: str, device: torch.device) -> list[str]:
-    """Why `backend` cannot run anything on `device` in this process ([] = it can)."""
+def device_refusals(backend: str, device: torch.device, *, auto: bool = False) -> list[str]:
+    """Why `backend` cannot run anything on `device` in this process ([] = it can). `auto`
+    never waits for a first-use compile of the CUDA extension; a named backend="cuda" may."""
     reasons = []
     if backend == "triton":
         if not TRITON_INSTALLED:
@@ -96,7 +107,7 @@ def device_refusals(backend: str, device: torch.device) -> list[str]:
         elif device.type not in ("cpu", "cuda"):
             reasons.append(f"tensors are on {device.type}; Triton kernels need CUDA")
     elif backend == "cuda":
-        if EXTENSION_ERROR:
+        if EXTENSION is None and (auto or not BUILD_ON_FIRST_USE):
             reasons.append(EXTENSION_ERROR)
         if device.type != "cuda":
             reasons.append(f"tensors are on {device.type}; the cuda backend needs CUDA tensors")
@@ -119,17 +130,17 @@ def resolve_backend_name(backend: str) -> str:
     return backend
 
 
-def static_refusals(op: str, backend: str, device: torch.device) -> list[str]:
+def static_refusals(op: str, backend: str, device: torch.device, *, auto=False) -> list[str]:
     """Reasons `backend` cannot run `op` on `device` whatever the inputs; [] when it may."""
-    reasons = device_refusals(backend, device)
+    reasons = device_refusals(backend, device, auto=auto)
     if backend not in _REGISTRY[op]:
         reasons.append(f"fusedattn has no {backend} implementation of {op} yet")
     return reasons
 
 
-def refusals(op: str, backend: str, device: torch.device, inputs: dict) -> list[str]:
+def refusals(op: str, backend: str, device: torch.device, inputs: dict, *, auto=False) -> list[str]:
     """Every reason `backend` cannot run `op` on these inputs; [] when it can."""
-    reasons = static_refusals(op, backend, device)
+    reasons = static_refusals(op, backend, device, auto=auto)
     impl = _REGISTRY[op].get(backend)
     if impl is not None:
         reasons += impl.refusals(**inputs)
@@ -153,7 +164,7 @@ def select(op: str, backend: str, device: torch.device, inputs: dict) -> Impleme
         return _REGISTRY[op][name]
     tried = []
     for candidate in AUTO_ORDER.get(device.type, {}).get(op, ("reference",)):
-        reasons = refusals(op, candidate, device, inputs)
+        reasons = refusals(op, candidate, device, inputs, auto=True)
         if not reasons:
             return _REGISTRY[op][candidate]
         tried.append(f"{candidate}: " + "; ".join(reasons))

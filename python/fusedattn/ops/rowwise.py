@@ -44,8 +44,8 @@ def kernels(name: str):
 
 
 def extension():
-    """fusedattn._C (dispatch has already checked that it loads)."""
-    return importlib.import_module("fusedattn._C")
+    """The CUDA extension: fusedattn._C, or its first-use build (compiled now if needed)."""
+    return backends.extension()
 
 
 def _fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

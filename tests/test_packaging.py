@@ -1,0 +1,130 @@
+"""The package as users get it: the source distribution builds the extension, a wheel built
+from it imports and reports its build, and a wheel built without the extension (what plain
+`pip install .` gives: an isolated build environment has no torch) compiles it on first use.
+
+Slow (two nvcc builds for one arch, ~2 min on 2 cores); CI runs them. Everything happens in
+a copy of the working tree and temporary folders: nothing is installed into this environment.
+"""
+
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+needs_nvcc = pytest.mark.skipif(
+    torch.version.cuda is None
+    or (not Path("/usr/local/cuda/bin/nvcc").exists() and "CUDA_HOME" not in os.environ),
+    reason="needs a CUDA build of torch and nvcc",
+)
+# The sdist's own extras: headers that only #include pulls in, and the tests' helpers.
+MUST_SHIP = [
+    "csrc/bindings.cpp", "csrc/attention/attention_launch.cuh", "csrc/attention/kernel_traits.h",
+    "csrc/common/static_switch.h", "csrc/layernorm/layernorm.h", "triton_kernels/attention.py",
+    "tests/conftest.py", "tests/hard_shapes.py", "tests/kx_check.py", "tests/dispatch_probe.py",
+    "benchmarks/harness.py", "MANIFEST.in", "python/fusedattn/_build/toolkit.py",
+]  # fmt: skip
+
+
+# The installed copy alone: this environment's editable install of the repository would
+# otherwise answer imports the installed wheel cannot (its finder comes after PYTHONPATH's).
+ISOLATE = (
+    "import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]; "
+)
+
+
+def installed_python(code: str) -> list[str]:
+    return [sys.executable, "-c", ISOLATE + code]
+
+
+INFO = "import runpy; sys.argv = ['info', '--extension']; runpy.run_module('fusedattn.info', run_name='__main__')"
+
+
+def run(cmd, cwd, env=None, timeout=900):
+    env = {**os.environ, "PYTHONNOUSERSITE": "1", **(env or {})}
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """The sdist of a copy of the working tree (tracked and new, never ignored, files)."""
+    src = tmp_path_factory.mktemp("src")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in listed:
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_bytes((ROOT / name).read_bytes())
+    out = tmp_path_factory.mktemp("dist")
+    env = {"FUSEDATTN_SKIP_CUDA_BUILD": "1"}
+    run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(out)], src, env)
+    (tarball,) = out.glob("fusedattn-*.tar.gz")
+    return tarball
+
+
+def test_sdist_ships_every_source_header_and_test_helper(sdist):
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    missing = [f for f in MUST_SHIP if f not in names]
+    assert not missing, f"the sdist lacks {missing}"
+    headers = {p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*.cuh")}
+    assert headers <= names
+    assert not any(n.startswith("benchmarks/results/") for n in names)
+
+
+def wheel_from(sdist, out, env):
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+         "-w", str(out), str(sdist)], out, env)  # fmt: skip
+    (wheel,) = out.glob("fusedattn-*.whl")
+    return wheel
+
+
+def install(wheel, target):
+    run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target),
+         str(wheel)], target.parent)  # fmt: skip
+    return {"PYTHONPATH": str(target)}
+
+
+@needs_nvcc
+def test_wheel_built_from_the_sdist_has_the_extension_and_reports_it(sdist, tmp_path):
+    env = {"FUSEDATTN_FORCE_CUDA_BUILD": "1", "TORCH_CUDA_ARCH_LIST": "8.0", "MAX_JOBS": "2"}
+    wheel = wheel_from(sdist, tmp_path, env)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("fusedattn/_C") and n.endswith(".so") for n in names)
+    assert "fusedattn/triton_kernels/attention.py" in names
+    assert "fusedattn/_csrc/attention/attention_launch.cuh" in names
+    env = install(wheel, tmp_path / "site")
+    line = run(installed_python(INFO), tmp_path, env)
+    assert "ahead-of-time" in line and "sm_80" in line and str(tmp_path / "site") in line
+
+
+@needs_nvcc
+def test_plain_install_compiles_the_extension_on_first_use(sdist, tmp_path):
+    """A wheel without _C (FUSEDATTN_SKIP_CUDA_BUILD, as pip's isolated build gives): info
+    says backend='cuda' will compile it; the first use compiles it from the installed
+    sources into the cache, says so in one line, and a new process loads it from there."""
+    wheel = wheel_from(sdist, tmp_path, {"FUSEDATTN_SKIP_CUDA_BUILD": "1"})
+    assert not any(n.startswith("fusedattn/_C") for n in zipfile.ZipFile(wheel).namelist())
+    env = install(wheel, tmp_path / "site")
+    env |= {"FUSEDATTN_CACHE_DIR": str(tmp_path / "cache"), "TORCH_CUDA_ARCH_LIST": "8.0",
+            "MAX_JOBS": "2"}  # fmt: skip
+    before = run(installed_python(INFO), tmp_path, env)
+    assert "compiles it on first use" in before
+    # What the first call with backend="cuda" runs (its kernels need a GPU, the build not).
+    code = "from fusedattn.ops import backends; e = backends.extension(); "
+    code += "print(e.build_info()['ops'], backends.EXTENSION_ORIGIN, e.__file__)"
+    built = run(installed_python(code), tmp_path, env)
+    assert "compiling the CUDA extension for 8.0" in built
+    assert "['attention', 'layer_norm', 'softmax'] first-use build" in built
+    after = run(installed_python(INFO), tmp_path, env)
+    assert "first-use build" in after and str(tmp_path / "cache") in after
