@@ -3,10 +3,13 @@
     python benchmarks/bench_softmax.py [--quick] [--out DIR]
 
 The masked case takes a dense bool mask (1 byte per element, counted in the forward bytes);
-torch's path for it is the usual masked_fill + softmax.
+torch's path for it is the usual masked_fill + softmax. Liger-Kernel's softmax (no mask) is
+measured when it is importable (bench_layernorm.py says how it reaches the GPU machine).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import harness
 import torch
@@ -21,7 +24,9 @@ def cases(quick: bool, device: torch.device) -> list[tuple[int, int, torch.dtype
     """(M, N, dtype, mask) rows x row length."""
     if device.type != "cuda":
         return [(256, N, torch.float32, m) for N in (512, 4096) for m in ("none", "bool")]
-    sizes = (1024, 4096, 8192) if quick else (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    sizes = (
+        (1024, 4096, 8192, 32768) if quick else (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    )
     return [
         (GPU_INPUT_BYTES // (2 * N), N, torch.bfloat16, m) for N in sizes for m in ("none", "bool")
     ]
@@ -37,8 +42,17 @@ def implementations(device, quick: bool = True) -> dict:
         return torch.softmax(x, dim=-1)
 
     impls = {"naive": lambda x, keep: reference.softmax(x, -1, mask=keep), "torch": torch_softmax}
-    if device.type == "cuda" and not quick:
+    if device.type == "cuda":
         impls["torch-compile"] = torch.compile(torch_softmax)
+        if importlib.util.find_spec("liger_kernel") is not None:
+            from liger_kernel.ops.softmax import LigerSoftmaxFunction
+
+            def liger(x, keep):
+                if keep is not None:
+                    raise ValueError("Liger's softmax takes no mask")
+                return LigerSoftmaxFunction.apply(x)
+
+            impls["liger"] = liger
     for backend in harness.kernel_backends("softmax", device):
         impls[f"fusedattn-{backend}"] = lambda x, keep, be=backend: fusedattn.softmax(
             x, -1, mask=keep, backend=be

@@ -25,6 +25,7 @@ import bench_attention
 import bench_demo
 import bench_layernorm
 import bench_model
+import bench_rmsnorm
 import bench_softmax
 import harness
 import report
@@ -33,6 +34,7 @@ import torch
 FAMILIES = {
     "attention": (bench_attention.run, "attention.csv"),
     "layernorm": (bench_layernorm.run, "layernorm.csv"),
+    "rmsnorm": (bench_rmsnorm.run, "rmsnorm.csv"),
     "softmax": (bench_softmax.run, "softmax.csv"),
     "model": (bench_model.run, "model.csv"),
     "demo": (bench_demo.run, "demo.csv"),

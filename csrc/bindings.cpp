@@ -36,9 +36,11 @@ const float* optional_fp32(const c10::optional<torch::Tensor>& t, int64_t n) {
 
 // ---- LayerNorm ------------------------------------------------------------------------------
 
+// rms: RMSNorm through the same kernels (mean 0, no bias; the saved mean is written as 0).
 std::vector<torch::Tensor> layer_norm_fwd(const torch::Tensor& x,
                                           const c10::optional<torch::Tensor>& weight,
-                                          const c10::optional<torch::Tensor>& bias, double eps) {
+                                          const c10::optional<torch::Tensor>& bias, double eps,
+                                          bool rms) {
   FUSEDATTN_CHECK_CUDA(x);
   TORCH_CHECK(x.dim() == 2 && (x.stride(1) == 1 || x.size(0) == 0), "x must be (M, N) rows");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -57,6 +59,7 @@ std::vector<torch::Tensor> layer_norm_fwd(const torch::Tensor& x,
   p.n = N;
   p.x_row_stride = x.stride(0);
   p.eps = static_cast<float>(eps);
+  p.rms = rms;
   p.dtype = dtype_of(x);
   fusedattn::layer_norm_forward(p, c10::cuda::getCurrentCUDAStream());
   return {y, mean, rstd};
@@ -65,7 +68,7 @@ std::vector<torch::Tensor> layer_norm_fwd(const torch::Tensor& x,
 std::vector<torch::Tensor> layer_norm_bwd(const torch::Tensor& dy, const torch::Tensor& x,
                                           const c10::optional<torch::Tensor>& weight,
                                           const torch::Tensor& mean, const torch::Tensor& rstd,
-                                          bool param_grads, int64_t groups) {
+                                          bool param_grads, int64_t groups, bool rms) {
   FUSEDATTN_CHECK_CUDA(x);
   FUSEDATTN_CHECK_CUDA(dy);
   TORCH_CHECK(x.dim() == 2 && dy.sizes() == x.sizes(), "x and dy must be (M, N) rows");
@@ -92,6 +95,7 @@ std::vector<torch::Tensor> layer_norm_bwd(const torch::Tensor& dy, const torch::
   p.x_row_stride = x.stride(0);
   p.dy_row_stride = dy.stride(0);
   p.groups = groups;
+  p.rms = rms;  // mean is then never read (RMSNorm passes rstd in its place)
   p.dtype = dtype_of(x);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   fusedattn::layer_norm_backward(p, stream);
@@ -313,7 +317,7 @@ pybind11::dict build_info() {
   info["torch_compiled"] = std::to_string(TORCH_VERSION_MAJOR) + "." +
                            std::to_string(TORCH_VERSION_MINOR) + "." +
                            std::to_string(TORCH_VERSION_PATCH);
-  info["ops"] = std::vector<std::string>{"attention", "layer_norm", "softmax"};
+  info["ops"] = std::vector<std::string>{"attention", "layer_norm", "rms_norm", "softmax"};
   return info;
 }
 
@@ -324,9 +328,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info,
         "What this extension was compiled with: CUDA versions, archs, instantiated head dims, "
         "and the ops it provides.");
-  m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm of (M, N) rows -> (y, mean, rstd)");
+  m.def("layer_norm_fwd", &layer_norm_fwd,
+        "LayerNorm (or RMSNorm with rms=True) of (M, N) rows -> (y, mean, rstd)");
   m.def("layer_norm_bwd", &layer_norm_bwd,
-        "LayerNorm backward -> (dx, dweight fp32, dbias fp32), deterministic");
+        "LayerNorm (or RMSNorm) backward -> (dx, dweight fp32, dbias fp32), deterministic");
   m.def("softmax_fwd", &softmax_fwd, "softmax over the last axis of an (A, B, C, N) view");
   m.def("softmax_bwd", &softmax_bwd, "softmax backward into dx (dy is never written)");
   m.def("attention_fwd", &attention_fwd,

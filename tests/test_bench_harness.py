@@ -100,13 +100,13 @@ def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys
     import run_all
 
     # The CPU path always: on a GPU machine the GPU suite is gpu-check's bench step.
-    kernels = "attention,layernorm,softmax"
+    kernels = "attention,layernorm,rmsnorm,softmax"
     assert (
         run_all.main(["--quick", "--device", "cpu", "--only", kernels, "--out", str(tmp_path)]) == 0
     )
     text = capsys.readouterr().out
     assert "Summary" in text
-    for name in ("attention", "layernorm", "softmax"):
+    for name in ("attention", "layernorm", "rmsnorm", "softmax"):
         rows = harness.read_csv(tmp_path / f"{name}.csv")
         assert rows and all(r["pass"] == "yes" for r in rows)
         assert {r["mode"] for r in rows} == {"fwd", "bwd", "fwd+bwd"}

@@ -1,6 +1,8 @@
-"""LayerNorm kernels: forward and backward, one-pass (row in registers) and looped.
+"""LayerNorm and RMSNorm kernels: forward and backward, one-pass (row in registers) and looped.
 
-Rows are the flattened leading dims (M rows of N elements, unit column stride, any row
+RMSNorm is LayerNorm without the centring and the bias (RMS=True: the mean is 0, so rstd is
+1 / sqrt(mean(x^2) + eps), and the backward loses its mean term); one set of kernels serves
+both. Rows are the flattened leading dims (M rows of N elements, unit column stride, any row
 stride). Statistics are fp32; the variance is biased, as torch's. The backward writes dx per
 row and fp32 partial sums of dweight/dbias per program into a (programs, N) buffer that a
 second step reduces: deterministic, no atomics, no locks.
@@ -46,13 +48,16 @@ def backward_programs(M: int, num_sms: int) -> int:
 def layer_norm_fwd_one_pass(
     X, Y, W, B, Mean, Rstd,
     stride_x, stride_y, N, eps,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     inb = cols < N
     x = tl.load(X + row * stride_x + cols, mask=inb, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
+    mean = 0.0
+    if not RMS:
+        mean = tl.sum(x, axis=0) / N
     xc = tl.where(inb, x - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
     rstd = 1.0 / tl.sqrt_rn(var + eps)
@@ -70,14 +75,18 @@ def layer_norm_fwd_one_pass(
 def layer_norm_fwd_looped(
     X, Y, W, B, Mean, Rstd,
     stride_x, stride_y, N, eps,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Two reads of x: shifted sums for the statistics, then normalise. Shifting by the row's
     first element keeps sum((x - x0)^2) - n * mean(x - x0)^2 free of cancellation when the
-    mean is large next to the spread."""
+    mean is large next to the spread (RMSNorm needs no shift: its sum of squares is the
+    statistic itself)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
-    pivot = tl.load(x_row).to(tl.float32)
+    pivot = 0.0
+    if not RMS:
+        pivot = tl.load(x_row).to(tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
@@ -87,6 +96,8 @@ def layer_norm_fwd_looped(
         acc += d
         acc_sq += d * d
     shifted_mean = tl.sum(acc, axis=0) / N
+    if RMS:
+        shifted_mean = 0.0
     var = tl.maximum(tl.sum(acc_sq, axis=0) / N - shifted_mean * shifted_mean, 0.0)
     mean = pivot + shifted_mean
     rstd = 1.0 / tl.sqrt_rn(var + eps)
@@ -108,7 +119,8 @@ def layer_norm_fwd_looped(
 def layer_norm_bwd_one_pass(
     X, DY, DX, W, Mean, Rstd, DW_partial, DB_partial,
     stride_x, stride_dy, stride_dx, M, N, rows_per_program,
-    HAS_WEIGHT: tl.constexpr, PARAM_GRADS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, PARAM_GRADS: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dx for rows_per_program rows, and this program's fp32 partial dweight/dbias."""
     pid = tl.program_id(0)
@@ -126,12 +138,16 @@ def layer_norm_bwd_one_pass(
     for row in range(first, last):
         x = tl.load(X + row * stride_x + cols, mask=inb, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=inb, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + row)
+        mean = 0.0
+        if not RMS:  # RMSNorm saves no mean (its Mean argument is a placeholder)
+            mean = tl.load(Mean + row)
         rstd = tl.load(Rstd + row)
         xhat = tl.where(inb, (x - mean) * rstd, 0.0)
         wdy = w * dy
         c1 = tl.sum(xhat * wdy, axis=0) / N
-        c2 = tl.sum(wdy, axis=0) / N
+        c2 = 0.0
+        if not RMS:
+            c2 = tl.sum(wdy, axis=0) / N
         dx = (wdy - (xhat * c1 + c2)) * rstd
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=inb)
         if PARAM_GRADS:
@@ -146,11 +162,13 @@ def layer_norm_bwd_one_pass(
 def layer_norm_bwd_dx_looped(
     X, DY, DX, W, Mean, Rstd,
     stride_x, stride_dy, stride_dx, N,
-    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dx of one long row: the two row sums, then dx (two reads of x and dy)."""
     row = tl.program_id(0).to(tl.int64)
-    mean = tl.load(Mean + row)
+    mean = 0.0
+    if not RMS:
+        mean = tl.load(Mean + row)
     rstd = tl.load(Rstd + row)
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -164,7 +182,9 @@ def layer_norm_bwd_dx_looped(
         acc1 += tl.where(inb, (x - mean) * rstd, 0.0) * dy
         acc2 += dy
     c1 = tl.sum(acc1, axis=0) / N
-    c2 = tl.sum(acc2, axis=0) / N
+    c2 = 0.0
+    if not RMS:
+        c2 = tl.sum(acc2, axis=0) / N
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         inb = cols < N
@@ -181,7 +201,7 @@ def layer_norm_bwd_dx_looped(
 def layer_norm_bwd_params_looped(
     X, DY, Mean, Rstd, DW_partial, DB_partial,
     stride_x, stride_dy, M, N, rows_per_program,
-    BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Partial dweight/dbias of a group of rows over one block of columns."""
     pid = tl.program_id(0)
@@ -195,7 +215,10 @@ def layer_norm_bwd_params_looped(
     for row in range(first, last):
         x = tl.load(X + row * stride_x + cols, mask=inb, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=inb, other=0.0).to(tl.float32)
-        dw_acc += dy * (x - tl.load(Mean + row)) * tl.load(Rstd + row)
+        mean = 0.0
+        if not RMS:
+            mean = tl.load(Mean + row)
+        dw_acc += dy * (x - mean) * tl.load(Rstd + row)
         db_acc += dy
     tl.store(DW_partial + pid.to(tl.int64) * N + cols, dw_acc, mask=inb)
     tl.store(DB_partial + pid.to(tl.int64) * N + cols, db_acc, mask=inb)

@@ -1,4 +1,5 @@
-// LayerNorm forward and backward. One row per warp for rows up to kWarpRowMax elements (four
+// LayerNorm and RMSNorm forward and backward (RMSNorm: p.rms, the mean pass skipped and the
+// mean taken as 0; the backward drops the mean term). One row per warp for rows up to kWarpRowMax elements (four
 // rows per 128-thread block: no shared memory, no __syncthreads), one row per block beyond.
 // Statistics are fp32 and two-pass (mean, then centred variance: no cancellation). Loads are
 // 16-byte vectors when the row length and alignment allow, scalar otherwise. The backward
@@ -71,9 +72,12 @@ __global__ void layer_norm_fwd_kernel(LayerNormParams p) {
   const T* x = static_cast<const T*>(p.x) + m.row * p.x_row_stride;
   T* y = static_cast<T*>(p.y) + m.row * p.n;
 
-  float sum = 0.f;
-  for_row<T, VEC>(x, p.n, m.first, m.stride, [&](int64_t, float v) { sum += v; });
-  const float mean = row_sum<kWarpPerRow>(sum, scratch) / p.n;
+  float mean = 0.f;
+  if (!p.rms) {
+    float sum = 0.f;
+    for_row<T, VEC>(x, p.n, m.first, m.stride, [&](int64_t, float v) { sum += v; });
+    mean = row_sum<kWarpPerRow>(sum, scratch) / p.n;
+  }
   float sq = 0.f;
   for_row<T, VEC>(x, p.n, m.first, m.stride,
                   [&](int64_t, float v) { sq += (v - mean) * (v - mean); });
@@ -106,7 +110,7 @@ __global__ void layer_norm_bwd_dx_kernel(LayerNormParams p) {
   const T* x = static_cast<const T*>(p.x) + m.row * p.x_row_stride;
   const T* dy = static_cast<const T*>(p.dy) + m.row * p.dy_row_stride;
   T* dx = static_cast<T*>(p.dx) + m.row * p.n;
-  const float mean = p.mean[m.row];
+  const float mean = p.rms ? 0.f : p.mean[m.row];
   const float rstd = p.rstd[m.row];
 
   float c1 = 0.f, c2 = 0.f;  // sums of xhat * w * dy and of w * dy
@@ -122,7 +126,7 @@ __global__ void layer_norm_bwd_dx_kernel(LayerNormParams p) {
     }
   }
   c1 = row_sum<kWarpPerRow>(c1, scratch) / p.n;
-  c2 = row_sum<kWarpPerRow>(c2, scratch) / p.n;
+  c2 = p.rms ? 0.f : row_sum<kWarpPerRow>(c2, scratch) / p.n;
 
   for (int64_t i = static_cast<int64_t>(m.first) * VEC; i < p.n;
        i += static_cast<int64_t>(m.stride) * VEC) {
@@ -152,7 +156,7 @@ __global__ void layer_norm_bwd_params_kernel(LayerNormParams p) {
   for (int64_t r = first; r < last; ++r) {
     const float g = to_float(static_cast<const T*>(p.dy)[r * p.dy_row_stride + col]);
     const float v = to_float(static_cast<const T*>(p.x)[r * p.x_row_stride + col]);
-    dw += g * (v - p.mean[r]) * p.rstd[r];
+    dw += g * (v - (p.rms ? 0.f : p.mean[r])) * p.rstd[r];
     db += g;
   }
   p.dweight_partial[blockIdx.y * p.n + col] = dw;

@@ -1,4 +1,5 @@
-// LayerNorm over rows of N elements: launchers callable without torch headers.
+// LayerNorm and RMSNorm over rows of N elements: launchers callable without torch headers.
+// RMSNorm (rms = true) is LayerNorm with mean 0 and no bias.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +27,7 @@ struct LayerNormParams {
   int64_t dy_row_stride;
   int64_t groups;  // backward: row groups of the two-stage parameter reduction
   float eps;
+  bool rms;  // RMSNorm: no centring (mean 0, written as 0), no mean term in the backward
   DType dtype;
 };
 

@@ -1,4 +1,4 @@
-"""fusedattn: fused attention, LayerNorm and softmax kernels (Triton and CUDA C++).
+"""fusedattn: fused attention, LayerNorm, RMSNorm and softmax kernels (Triton and CUDA C++).
 
     import fusedattn
     out = fusedattn.attention(q, k, v, is_causal=True)          # backend="auto"
@@ -10,12 +10,13 @@ Importing fusedattn never initialises CUDA and never imports triton.
 
 from . import masks, reference
 from ._version import __version__
-from .modules import LayerNorm, MultiheadAttention, Softmax, swap_modules
+from .modules import LayerNorm, MultiheadAttention, RMSNorm, Softmax, swap_modules
 from .ops import (
     BackendUnavailableError,
     attention,
     available_backends,
     layer_norm,
+    rms_norm,
     softmax,
     varlen_attention,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "BackendUnavailableError",
     "LayerNorm",
     "MultiheadAttention",
+    "RMSNorm",
     "Softmax",
     "__version__",
     "attention",
@@ -31,6 +33,7 @@ __all__ = [
     "layer_norm",
     "masks",
     "reference",
+    "rms_norm",
     "softmax",
     "swap_modules",
     "varlen_attention",

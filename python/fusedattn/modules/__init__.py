@@ -2,7 +2,8 @@
 
 from .attention import MultiheadAttention
 from .layernorm import LayerNorm
+from .rmsnorm import RMSNorm
 from .softmax import Softmax
 from .swap import swap_modules
 
-__all__ = ["LayerNorm", "MultiheadAttention", "Softmax", "swap_modules"]
+__all__ = ["LayerNorm", "MultiheadAttention", "RMSNorm", "Softmax", "swap_modules"]

@@ -6,6 +6,7 @@ from torch import nn
 
 from .attention import MultiheadAttention
 from .layernorm import LayerNorm
+from .rmsnorm import RMSNorm, is_hf_llama_rms_norm
 from .softmax import Softmax
 
 
@@ -18,32 +19,46 @@ def _replaced_types():
     return {
         "attention": (nn.MultiheadAttention, ref.MultiheadAttention),
         "layernorm": (nn.LayerNorm, ref.LayerNorm),
+        "rmsnorm": (nn.RMSNorm, ref.RMSNorm),
         "softmax": (nn.Softmax, ref.Softmax),
     }
 
 
-def _replacement(module, backend, attention, layernorm, softmax):
+FUSED = {"attention": MultiheadAttention, "layernorm": LayerNorm, "rmsnorm": RMSNorm,
+         "softmax": Softmax}  # fmt: skip
+
+
+def _replacement(module, backend, wanted):
     """The fused module to put in `module`'s place, or None to keep it. A module that is
     already fused only has its backend retargeted."""
     kind, types = type(module), _replaced_types()
-    wanted = {"attention": attention, "layernorm": layernorm, "softmax": softmax}
-    fused = {"attention": MultiheadAttention, "layernorm": LayerNorm, "softmax": Softmax}
-    for family, cls in fused.items():
+    for family, cls in FUSED.items():
         if not wanted[family]:
             continue
         if kind in types[family]:
             return cls.from_torch(module, backend=backend)
         if kind is cls:
             module.backend = backend
+    if wanted["rmsnorm"] and is_hf_llama_rms_norm(module):
+        return RMSNorm.from_hf(module, backend=backend)
     return None
 
 
 def swap_modules(
-    model: nn.Module, *, backend="auto", attention=True, layernorm=True, softmax=True
+    model: nn.Module,
+    *,
+    backend="auto",
+    attention=True,
+    layernorm=True,
+    rmsnorm=True,
+    softmax=True,
 ) -> nn.Module:
-    """Replace, in place, every nn.MultiheadAttention, nn.LayerNorm and nn.Softmax (and their
-    reference twins) by fusedattn's, with the same weights, device, dtype and train/eval mode;
-    returns `model` (or the replacement, if `model` itself is one of those modules).
+    """Replace, in place, every nn.MultiheadAttention, nn.LayerNorm, nn.RMSNorm and nn.Softmax
+    (and their reference twins), and the RMSNorm of Hugging Face Llama-family models
+    (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, ...: those whose forward is Llama's; Gemma's
+    `1 + weight` variant is left alone), by fusedattn's, with the same weights, device, dtype
+    and train/eval mode; returns `model` (or the replacement, if `model` itself is one of
+    those modules).
 
     nn.TransformerEncoder's nested-tensor inference path is turned off wherever a module inside
     it is fused (it would hand nested tensors to the fused modules); the encoder-layer fast
@@ -55,15 +70,16 @@ def swap_modules(
             f"swap_modules takes an nn.Module, got {type(model).__name__} (wrap a list of "
             "modules in nn.ModuleList or nn.Sequential)"
         )
-    root = _replacement(model, backend, attention, layernorm, softmax)
+    wanted = dict(attention=attention, layernorm=layernorm, rmsnorm=rmsnorm, softmax=softmax)
+    root = _replacement(model, backend, wanted)
     if root is not None:
         return root
     for parent in model.modules():
         for name, child in list(parent.named_children()):
-            new = _replacement(child, backend, attention, layernorm, softmax)
+            new = _replacement(child, backend, wanted)
             if new is not None:
                 setattr(parent, name, new)
-    fused = (MultiheadAttention, LayerNorm, Softmax)
+    fused = tuple(FUSED.values())
     for encoder in model.modules():
         if isinstance(encoder, nn.TransformerEncoder) and any(
             isinstance(m, fused) for m in encoder.modules()

@@ -3,6 +3,7 @@
 from .attention import attention, varlen_attention
 from .backends import BackendUnavailableError, available_backends
 from .layernorm import layer_norm
+from .rmsnorm import rms_norm
 from .softmax import softmax
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "attention",
     "available_backends",
     "layer_norm",
+    "rms_norm",
     "softmax",
     "varlen_attention",
 ]

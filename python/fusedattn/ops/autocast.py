@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-FP32_OPS = {"cuda": frozenset({"layer_norm", "softmax"})}
+FP32_OPS = {"cuda": frozenset({"layer_norm", "rms_norm", "softmax"})}
 LOWER_PRECISION_OPS = {"cuda": frozenset({"attention"}), "cpu": frozenset({"attention"})}
 
 

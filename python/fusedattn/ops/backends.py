@@ -20,7 +20,7 @@ from . import extension as extension_loader
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
 ENV_VAR = "FUSEDATTN_BACKEND"
-OPS = ("attention", "varlen_attention", "layer_norm", "softmax")
+OPS = ("attention", "varlen_attention", "layer_norm", "rms_norm", "softmax")
 
 # `auto` order, by device and op. On CPU torch's own ops are the fastest correct choice, so a
 # swapped model on CPU is never slower than the unswapped one; the Triton interpreter is for

@@ -302,6 +302,17 @@ def check_layer_norm_args(x, normalized_shape, weight, bias, eps) -> tuple[int, 
     return shape
 
 
+def check_rms_norm_args(x, normalized_shape, weight, eps) -> tuple[tuple[int, ...], float]:
+    """Validate `fusedattn.rms_norm`; returns (normalized_shape as a tuple, eps), eps=None
+    meaning torch.finfo(x.dtype).eps as in F.rms_norm."""
+    if eps is None:
+        check_tensor("x", x)
+        check_float_dtype("x", x)
+        eps = torch.finfo(x.dtype).eps
+    shape = check_layer_norm_args(x, normalized_shape, weight, None, eps)
+    return shape, float(eps)
+
+
 def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
     """Validate `fusedattn.softmax`; returns `dim` made non-negative."""
     check_tensor("x", x)

@@ -1,8 +1,10 @@
-"""The row-wise ops (LayerNorm, softmax) of the kernel backends, as torch.library custom ops
-with fake implementations and autograd, so torch.compile(fullgraph=True) sees one opaque op per
-launch. One op per step serves both backends (`backend` is "triton" or "cuda"), so the
-autograd and layout glue exist once. (Signatures say Optional[...]: torch.library infers the
-op schema from them, and typing.Optional is the spelling every supported torch version reads.)
+"""The softmax of the kernel backends as torch.library custom ops with fake implementations and
+autograd, so torch.compile(fullgraph=True) sees one opaque op per launch, and the helpers every
+kernel launcher shares (outputs, kernel modules, the extension, refusals). One op per step
+serves both backends (`backend` is "triton" or "cuda"), so the autograd and layout glue exist
+once. (Signatures say Optional[...]: torch.library infers the op schema from them, and
+typing.Optional is the spelling every supported torch version reads.) The norms' ops are in
+norm_kernels.py, the attention's in flash_attention.py.
 
 The Triton kernel modules import triton, so they are imported on the first launch: `import
 fusedattn` never imports triton.
@@ -48,12 +50,12 @@ def extension():
     return backends.extension()
 
 
-def _fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def fp32_params(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The CUDA kernels read parameters as contiguous fp32 (n elements: a negligible copy)."""
     return None if t is None else t.float().contiguous().view(-1)
 
 
-def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def dense_params(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The Triton kernels read parameters with a unit stride: a strided or expanded (stride 0)
     weight is copied to its n elements first (a negligible copy next to x)."""
     return None if t is None else t.contiguous()
@@ -83,146 +85,6 @@ def extension_op_refusals(op: str) -> list[str]:
     if backends.EXTENSION_ERROR or op in backends.EXTENSION_OPS:
         return []
     return [f"fusedattn._C was built without {op}: rebuild it"]
-
-
-# ---- LayerNorm ------------------------------------------------------------------------------
-
-
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x as (M, n) rows with a unit column stride: a view when the layout allows."""
-    rows = x.reshape(-1, n)
-    return rows if rows.stride(-1) == 1 or rows.shape[0] == 0 else rows.contiguous()
-
-
-@torch.library.custom_op("fusedattn::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: torch.Tensor,
-    n: int,
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    eps: float,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (y shaped like x, mean (M,) fp32, rstd (M,) fp32) over the trailing n elements."""
-    rows = _rows(x, n)
-    if backend == "cuda":
-        y, mean, rstd = extension().layer_norm_fwd(rows, _fp32(weight), _fp32(bias), eps)
-        return y.view(x.shape), mean, rstd
-    K = kernels("layernorm")
-    weight, bias = _dense(weight), _dense(bias)
-    M = rows.shape[0]
-    y = new_output((M, n), x.dtype, x.device)
-    mean = new_output((M,), torch.float32, x.device)
-    rstd = new_output((M,), torch.float32, x.device)
-    if M:
-        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
-        kernel = K.layer_norm_fwd_one_pass if cfg.one_pass else K.layer_norm_fwd_looped
-        kernel[(M,)](
-            rows, y, weight, bias, mean, rstd, rows.stride(0), y.stride(0), n, eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
-        )  # fmt: skip
-    return y.view(x.shape), mean, rstd
-
-
-@layer_norm_fwd.register_fake
-def _(x, n, weight, bias, eps, backend):
-    M = x.numel() // n
-    stats = x.new_empty(M, dtype=torch.float32)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
-
-
-@torch.library.custom_op("fusedattn::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    n: int,
-    param_grads: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dx, dweight_sum, dbias_sum): fp32 (n,) parameter gradients (empty without
-    param_grads), reduced from per-program partials in a fixed order (deterministic)."""
-    rows, drows = _rows(x, n), _rows(dy, n)
-    M = rows.shape[0]
-    if backend == "cuda":
-        groups = 4 * program_budget(x.device)
-        dx, dw, db = extension().layer_norm_bwd(
-            drows, rows, _fp32(weight), mean, rstd, param_grads, groups
-        )
-        return dx.view(x.shape), dw, db
-    K = kernels("layernorm")
-    weight = _dense(weight)
-    dx = new_output((M, n), x.dtype, x.device)
-    programs = K.backward_programs(M, program_budget(x.device))
-    per_program = -(-M // programs) if M else 1
-    shape = (programs, n) if param_grads else (0,)
-    alloc = torch.empty if M else torch.zeros  # no rows: the parameter gradients are 0
-    dw_partial = alloc(shape, dtype=torch.float32, device=x.device)
-    db_partial = alloc(shape, dtype=torch.float32, device=x.device)
-    if M:
-        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
-        if cfg.one_pass:
-            K.layer_norm_bwd_one_pass[(programs,)](
-                rows, drows, dx, weight, mean, rstd, dw_partial, db_partial,
-                rows.stride(0), drows.stride(0), dx.stride(0), M, n, per_program,
-                HAS_WEIGHT=weight is not None, PARAM_GRADS=param_grads, BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps,
-            )  # fmt: skip
-        else:
-            K.layer_norm_bwd_dx_looped[(M,)](
-                rows, drows, dx, weight, mean, rstd,
-                rows.stride(0), drows.stride(0), dx.stride(0), n,
-                HAS_WEIGHT=weight is not None, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            )  # fmt: skip
-            if param_grads:
-                K.layer_norm_bwd_params_looped[(programs, -(-n // cfg.block_n))](
-                    rows, drows, mean, rstd, dw_partial, db_partial,
-                    rows.stride(0), drows.stride(0), M, n, per_program,
-                    BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                )  # fmt: skip
-    if param_grads:
-        return dx.view(x.shape), dw_partial.sum(0), db_partial.sum(0)
-    return dx.view(x.shape), dw_partial, db_partial
-
-
-@layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, n, param_grads, backend):
-    grads = x.new_empty(n if param_grads else 0, dtype=torch.float32)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), grads, grads.clone()
-
-
-def _layer_norm_setup(ctx, inputs, output):
-    x, n, weight, bias, _eps, backend = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.n, ctx.backend = n, backend
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.param_shape = next((p.shape for p in (weight, bias) if p is not None), None)
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _layer_norm_backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    need_w = weight is not None and ctx.needs_input_grad[2]
-    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
-    dx, dw, db = torch.ops.fusedattn.layer_norm_bwd(
-        dy, x, weight, mean, rstd, ctx.n, need_w or need_b, ctx.backend
-    )
-    shape = ctx.param_shape
-    return (
-        dx,
-        None,
-        dw.view(shape).to(weight.dtype) if need_w else None,
-        db.view(shape).to(ctx.bias_dtype) if need_b else None,
-        None,
-        None,
-    )
-
-
-layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
 
 
 # ---- softmax --------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..modules.attention import MultiheadAttention as FusedMultiheadAttention
 from ..modules.layernorm import LayerNorm as FusedLayerNorm
+from ..modules.rmsnorm import RMSNorm as FusedRMSNorm
 from ..modules.softmax import Softmax as FusedSoftmax
 from .attention import attention_scores, expand_kv_heads
 
@@ -25,6 +26,13 @@ class Softmax(FusedSoftmax):
 
 class LayerNorm(FusedLayerNorm):
     """nn.LayerNorm computed by the naive `fusedattn.reference.layer_norm`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs, backend="reference")
+
+
+class RMSNorm(FusedRMSNorm):
+    """nn.RMSNorm computed by the naive `fusedattn.reference.rms_norm`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs, backend="reference")

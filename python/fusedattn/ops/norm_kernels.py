@@ -1,0 +1,236 @@
+"""LayerNorm and RMSNorm of the kernel backends as torch.library custom ops with fake
+implementations and autograd (torch.compile(fullgraph=True) sees one opaque op per step).
+
+Both norms run the same kernels in each backend: RMSNorm is LayerNorm without the centring
+and the bias (`rms=True`: mean 0, and the backward loses its mean term). One op per step
+serves both backends (`backend` is "triton" or "cuda").
+"""
+
+import torch
+
+from .rowwise import (
+    dense_params,
+    extension,
+    fp32_params,
+    kernels,
+    new_output,
+    program_budget,
+)
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x as (M, n) rows with a unit column stride: a view when the layout allows."""
+    rows = x.reshape(-1, n)
+    return rows if rows.stride(-1) == 1 or rows.shape[0] == 0 else rows.contiguous()
+
+
+def _forward(x, n, weight, bias, eps, rms, backend):
+    """-> (y shaped like x, mean (M,) fp32 (0 for RMSNorm), rstd (M,) fp32)."""
+    rows = _rows(x, n)
+    if backend == "cuda":
+        y, mean, rstd = extension().layer_norm_fwd(
+            rows, fp32_params(weight), fp32_params(bias), eps, rms
+        )
+        return y.view(x.shape), mean, rstd
+    K = kernels("layernorm")
+    weight, bias = dense_params(weight), dense_params(bias)
+    M = rows.shape[0]
+    y = new_output((M, n), x.dtype, x.device)
+    mean = new_output((M,), torch.float32, x.device)
+    rstd = new_output((M,), torch.float32, x.device)
+    if M:
+        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
+        kernel = K.layer_norm_fwd_one_pass if cfg.one_pass else K.layer_norm_fwd_looped
+        kernel[(M,)](
+            rows, y, weight, bias, mean, rstd, rows.stride(0), y.stride(0), n, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, RMS=rms,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return y.view(x.shape), mean, rstd
+
+
+def _backward(dy, x, weight, mean, rstd, n, param_grads, rms, backend):
+    """-> (dx, dweight_sum, dbias_sum): fp32 (n,) parameter gradients (empty without
+    param_grads), reduced from per-program partials in a fixed order (deterministic). For
+    RMSNorm `mean` is a placeholder the kernels never read."""
+    rows, drows = _rows(x, n), _rows(dy, n)
+    M = rows.shape[0]
+    if backend == "cuda":
+        groups = 4 * program_budget(x.device)
+        dx, dw, db = extension().layer_norm_bwd(
+            drows, rows, fp32_params(weight), mean, rstd, param_grads, groups, rms
+        )
+        return dx.view(x.shape), dw, db
+    K = kernels("layernorm")
+    weight = dense_params(weight)
+    dx = new_output((M, n), x.dtype, x.device)
+    programs = K.backward_programs(M, program_budget(x.device))
+    per_program = -(-M // programs) if M else 1
+    shape = (programs, n) if param_grads else (0,)
+    alloc = torch.empty if M else torch.zeros  # no rows: the parameter gradients are 0
+    dw_partial = alloc(shape, dtype=torch.float32, device=x.device)
+    db_partial = alloc(shape, dtype=torch.float32, device=x.device)
+    if M:
+        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
+        if cfg.one_pass:
+            K.layer_norm_bwd_one_pass[(programs,)](
+                rows, drows, dx, weight, mean, rstd, dw_partial, db_partial,
+                rows.stride(0), drows.stride(0), dx.stride(0), M, n, per_program,
+                HAS_WEIGHT=weight is not None, PARAM_GRADS=param_grads, RMS=rms,
+                BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            )  # fmt: skip
+        else:
+            K.layer_norm_bwd_dx_looped[(M,)](
+                rows, drows, dx, weight, mean, rstd,
+                rows.stride(0), drows.stride(0), dx.stride(0), n,
+                HAS_WEIGHT=weight is not None, RMS=rms, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+            )  # fmt: skip
+            if param_grads:
+                K.layer_norm_bwd_params_looped[(programs, -(-n // cfg.block_n))](
+                    rows, drows, mean, rstd, dw_partial, db_partial,
+                    rows.stride(0), drows.stride(0), M, n, per_program,
+                    RMS=rms, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                )  # fmt: skip
+    if param_grads:
+        return dx.view(x.shape), dw_partial.sum(0), db_partial.sum(0)
+    return dx.view(x.shape), dw_partial, db_partial
+
+
+def _fake_forward(x, n):
+    stats = x.new_empty(x.numel() // n, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats
+
+
+def _fake_grads(x, n, param_grads):
+    return x.new_empty(n if param_grads else 0, dtype=torch.float32)
+
+
+# ---- LayerNorm ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusedattn::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor,
+    n: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (y shaped like x, mean (M,) fp32, rstd (M,) fp32) over the trailing n elements."""
+    return _forward(x, n, weight, bias, eps, False, backend)
+
+
+@layer_norm_fwd.register_fake
+def _(x, n, weight, bias, eps, backend):
+    y, stats = _fake_forward(x, n)
+    return y, stats, stats.clone()
+
+
+@torch.library.custom_op("fusedattn::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    n: int,
+    param_grads: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx, dweight_sum, dbias_sum), the parameter sums fp32 (n,) or empty."""
+    return _backward(dy, x, weight, mean, rstd, n, param_grads, False, backend)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, n, param_grads, backend):
+    grads = _fake_grads(x, n, param_grads)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), grads, grads.clone()
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, n, weight, bias, _eps, backend = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.n, ctx.backend = n, backend
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.param_shape = next((p.shape for p in (weight, bias) if p is not None), None)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[2]
+    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
+    dx, dw, db = torch.ops.fusedattn.layer_norm_bwd(
+        dy, x, weight, mean, rstd, ctx.n, need_w or need_b, ctx.backend
+    )
+    shape = ctx.param_shape
+    return (
+        dx,
+        None,
+        dw.view(shape).to(weight.dtype) if need_w else None,
+        db.view(shape).to(ctx.bias_dtype) if need_b else None,
+        None,
+        None,
+    )
+
+
+layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+# ---- RMSNorm --------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusedattn::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(
+    x: torch.Tensor, n: int, weight: torch.Tensor | None, eps: float, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (y shaped like x, rstd (M,) fp32) over the trailing n elements."""
+    y, _mean, rstd = _forward(x, n, weight, None, eps, True, backend)
+    return y, rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x, n, weight, eps, backend):
+    return _fake_forward(x, n)
+
+
+@torch.library.custom_op("fusedattn::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    n: int,
+    param_grads: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (dx, dweight_sum): the weight's sum fp32 (n,), or empty without param_grads."""
+    dx, dw, _db = _backward(dy, x, weight, rstd, rstd, n, param_grads, True, backend)
+    return dx, dw
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, n, param_grads, backend):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, _fake_grads(x, n, param_grads)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, n, weight, _eps, backend = inputs
+    _, rstd = output
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.n, ctx.backend = n, backend
+    ctx.mark_non_differentiable(rstd)
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[2]
+    dx, dw = torch.ops.fusedattn.rms_norm_bwd(dy, x, weight, rstd, ctx.n, need_w, ctx.backend)
+    return dx, None, dw.view(weight.shape).to(weight.dtype) if need_w else None, None, None
+
+
+rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
