@@ -96,6 +96,25 @@ def extension_line(ext: dict) -> str:
     )
 
 
+def auto_table_text() -> str:
+    """auto's measured routing (ops/auto_table.py) in force: one line per key."""
+    from .ops import auto
+
+    lines = [f"auto: {auto.TABLE_SOURCE}"]
+    here = auto.capability(0) if torch.cuda.is_available() else ""
+    for cap, ops in sorted(auto.TABLE.items()):
+        mark = " (this GPU)" if cap == here else ""
+        for op, keys in sorted(ops.items()):
+            lines.append(f"{cap}{mark} {op}:")
+            for key, order in sorted(keys.items(), key=str):
+                lines.append(f"  {' '.join(str(k) for k in key):<48} -> {', '.join(order)}")
+    if len(lines) == 1:
+        lines.append("no measurements: auto keeps the default order everywhere")
+    lines.append("other calls: " + ", ".join(f"{d}: {' > '.join(o['attention'])}"
+                                            for d, o in backends.AUTO_ORDER.items()))  # fmt: skip
+    return "\n".join(lines)
+
+
 def render(info: dict) -> str:
     lines = [
         f"fusedattn {info['fusedattn']}",
@@ -127,9 +146,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--extension", action="store_true", help="one line: is fusedattn._C built, for what"
     )
+    parser.add_argument(
+        "--auto-table", action="store_true", help="the routing table auto uses, per GPU arch"
+    )
     args = parser.parse_args(argv)
     if args.extension:
         print(extension_line(extension_info()))
+        return 0
+    if args.auto_table:
+        print(auto_table_text())
         return 0
     info = collect()
     print(json.dumps(info, indent=2) if args.json else render(info))

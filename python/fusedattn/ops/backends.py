@@ -16,21 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
+from . import auto
 from . import extension as extension_loader
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
 ENV_VAR = "FUSEDATTN_BACKEND"
 OPS = ("attention", "varlen_attention", "layer_norm", "rms_norm", "softmax")
 
-# `auto` order, by device and op. On CPU torch's own ops are the fastest correct choice, so a
-# swapped model on CPU is never slower than the unswapped one; the Triton interpreter is for
-# tests and is reached by naming backend="triton". On a GPU a kernel backend goes ahead of
-# torch only once a GPU benchmark (benchmarks/results/<card>/) shows it faster and the GPU
-# tests pass there. On the H200 (benchmarks/results/h200/, 2026-11-26) the CUDA attention
-# passes its GPU tests but runs at 76 % of SDPA-flash forward and 65 % backward; the Triton
-# attention is near SDPA-flash and well ahead of SDPA with a mask, but its GPU test grid has not
-# finished on a GPU yet. So torch still leads everywhere; the kernel backends serve what torch
-# refuses (return_lse) and FUSEDATTN_BACKEND.
+# `auto`'s default order, by device and op, for calls the routing table (ops/auto.py, built
+# from the benchmark CSVs) has no measurement for. On CPU torch's own ops are the fastest
+# correct choice, so a swapped model on CPU is never slower than the unswapped one; the Triton
+# interpreter is for tests and is reached by naming backend="triton". On a GPU torch leads by
+# default: a kernel backend goes ahead of it only in the buckets where a committed GPU
+# benchmark shows it faster; otherwise the kernel backends serve what torch refuses
+# (return_lse, softcap) and FUSEDATTN_BACKEND.
 AUTO_ORDER = {
     "cuda": {op: ("torch", "triton", "cuda", "reference") for op in OPS},
     "cpu": {op: ("torch", "reference") for op in OPS},
@@ -151,6 +150,14 @@ def _format(reasons: list[str]) -> str:
     return "".join(f"\n  - {r}" for r in reasons)
 
 
+def auto_order(op: str, device: torch.device, inputs: dict) -> tuple[str, ...]:
+    """The backends auto tries, in order: those measured fastest for calls like this one on
+    this card (ops/auto.py's table), then the default order for the device."""
+    default = AUTO_ORDER.get(device.type, {}).get(op, ("reference",))
+    measured = auto.measured_order(op, device, inputs)
+    return measured + tuple(b for b in default if b not in measured)
+
+
 def select(op: str, backend: str, device: torch.device, inputs: dict) -> Implementation:
     """The implementation that runs `op`, or BackendUnavailableError saying why none can."""
     name = resolve_backend_name(backend)
@@ -163,7 +170,7 @@ def select(op: str, backend: str, device: torch.device, inputs: dict) -> Impleme
             )
         return _REGISTRY[op][name]
     tried = []
-    for candidate in AUTO_ORDER.get(device.type, {}).get(op, ("reference",)):
+    for candidate in auto_order(op, device, inputs):
         reasons = refusals(op, candidate, device, inputs, auto=True)
         if not reasons:
             return _REGISTRY[op][candidate]

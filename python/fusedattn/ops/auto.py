@@ -1,0 +1,107 @@
+"""`auto`'s per-call choice: the backend measured fastest for calls like this one.
+
+A committed table (auto_table.py, built by scripts/build_auto_table.py from the benchmark
+CSVs under benchmarks/results/<card>/) maps (GPU capability, op, mode, bucket) to backends
+ordered fastest first, where the bucket is a few coarse facts of the call: dtype, head-dim
+and key-length buckets, causal and the mask kind for attention; dtype and row-length bucket
+for the norms and softmax. Mode is "fwd+bwd" when the call will be differentiated, else
+"fwd". Calls on cards or in buckets never measured keep the default order.
+
+Everything here reads shapes and flags only (no tensor data, no device sync), so it is cheap
+and torch.compile traces it without graph breaks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import auto_table
+
+TABLE: dict = auto_table.TABLE
+TABLE_SOURCE: str = getattr(auto_table, "SOURCE", "")
+
+MODES = ("fwd", "fwd+bwd")  # inference calls, and calls whose backward will run
+
+
+def head_dim_bucket(D: int) -> int:
+    return 64 if D <= 64 else 128 if D <= 128 else 256
+
+
+def length_bucket(T: int) -> str:
+    return "<=1k" if T <= 1024 else "<=4k" if T <= 4096 else ">4k"
+
+
+def row_bucket(N: int) -> str:
+    return "<=1k" if N <= 1024 else "<=4k" if N <= 4096 else "<=8k" if N <= 8192 else ">8k"
+
+
+def attention_key_of(dtype: str, D: int, causal: bool, mask: str, Tk: int) -> tuple:
+    return (dtype, head_dim_bucket(D), causal, mask, length_bucket(Tk))
+
+
+def rowwise_key_of(dtype: str, N: int) -> tuple:
+    return (dtype, row_bucket(N))
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _mask_kind(inputs: dict) -> str:
+    """none / key_padding / bool / float / window / varlen, or "variant" for what the
+    benchmarks do not cover (softcap, ALiBi, sinks): those keep the default order."""
+    if inputs.get("softcap") or inputs.get("alibi_slopes") is not None:
+        return "variant"
+    if inputs.get("sinks") is not None:
+        return "variant"
+    if "cu_seqlens_q" in inputs:
+        return "varlen"
+    mask = inputs.get("attn_mask")
+    if mask is not None:
+        return "bool" if mask.dtype == torch.bool else "float"
+    if inputs.get("key_padding_mask") is not None:
+        return "key_padding"
+    window = inputs["window"]
+    if window.left >= 0 or (window.right > 0) or window.bottom_right:
+        return "window"
+    return "none"
+
+
+def call_key(op: str, inputs: dict) -> tuple:
+    """(mode, *bucket) of one call."""
+    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    mode = MODES[grad]
+    if op in ("attention", "varlen_attention"):
+        q, k, window = inputs["q"], inputs["k"], inputs["window"]
+        Tk = inputs["max_seqlen_k"] if op == "varlen_attention" else k.shape[-2]
+        causal = window.right == 0
+        return (
+            mode,
+            *attention_key_of(_dtype_name(q), q.shape[-1], causal, _mask_kind(inputs), Tk),
+        )
+    x = inputs["x"]
+    N = x.shape[inputs["dim"]] if op == "softmax" else math.prod(inputs["normalized_shape"])
+    return (mode, *rowwise_key_of(_dtype_name(x), N))
+
+
+def capability(index: int) -> str:
+    """'sm_90' for CUDA device `index` ('' without CUDA). torch.cuda.is_available and
+    get_device_properties are constants to torch.compile (get_device_capability is not)."""
+    if not torch.cuda.is_available():
+        return ""
+    props = torch.cuda.get_device_properties(index)
+    return f"sm_{props.major}{props.minor}"
+
+
+def measured_order(op: str, device: torch.device, inputs: dict, table=None) -> tuple[str, ...]:
+    """Backends measured fastest first for this call on this card; () when never measured."""
+    if device.type != "cuda":
+        return ()
+    table = TABLE if table is None else table
+    per_op = table.get(capability(device.index or 0), {}).get(op)
+    if not per_op:
+        return ()
+    return per_op.get(call_key(op, inputs), ())

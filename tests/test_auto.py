@@ -1,0 +1,175 @@
+"""`auto`'s per-call routing from a measured table, checked on CPU with synthetic tables and
+CSVs: the key of a call, the order it gives, refusals falling through, the generator's rules
+(torch = the fastest SDPA backend, a margin, stale rows excluded), and that the key the
+generator writes is the key a call with those shapes looks up."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kx_check import attention_inputs
+
+from fusedattn.masks import Window
+from fusedattn.ops import auto, backends
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.device("cuda")
+
+
+def qkv(D=128, T=2048, dtype=torch.bfloat16, grad=False):
+    return [torch.randn(1, 2, T, D, dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+def test_call_keys_read_only_shapes_and_flags():
+    q, k, v = qkv()
+    kpm = torch.zeros(1, 2048, dtype=torch.bool)
+    inputs = attention_inputs(q, k, v, key_padding_mask=kpm, window=Window(-1, 0))
+    assert auto.call_key("attention", inputs) == (
+        "fwd",
+        "bfloat16",
+        128,
+        True,
+        "key_padding",
+        "<=4k",
+    )
+    q, k, v = qkv(D=80, T=9000, grad=True)
+    inputs = attention_inputs(q, k, v, attn_mask=torch.ones(9000, 9000, dtype=torch.bool))
+    assert auto.call_key("attention", inputs) == ("fwd+bwd", "bfloat16", 128, False, "bool", ">4k")
+    with torch.no_grad():  # no backward will run
+        assert auto.call_key("attention", inputs)[0] == "fwd"
+    for extra, kind in ((dict(softcap=5.0), "variant"), (dict(window=Window(128, 0)), "window"),
+                        (dict(sinks=torch.zeros(2)), "variant")):  # fmt: skip
+        assert auto.call_key("attention", attention_inputs(*qkv(), **extra))[4] == kind
+    x = torch.randn(8, 4096)
+    assert auto.call_key("softmax", dict(x=x, dim=1, mask=None, scale=None, is_causal=False)) == (
+        "fwd", "float32", "<=4k")  # fmt: skip
+    norm = dict(x=x, normalized_shape=(4096,), weight=None, eps=1e-5)
+    assert auto.call_key("rms_norm", norm) == ("fwd", "float32", "<=4k")
+
+
+@pytest.fixture
+def table(monkeypatch):
+    """A synthetic measured table for an sm_90 card, seen from this CPU machine."""
+    table = {"sm_90": {"attention": {
+        ("fwd", "bfloat16", 128, True, "key_padding", "<=4k"): ("triton", "torch"),
+        ("fwd", "float32", 128, False, "none", "<=4k"): ("cuda", "torch"),
+    }}}  # fmt: skip
+    monkeypatch.setattr(auto, "TABLE", table)
+    monkeypatch.setattr(auto, "capability", lambda index: "sm_90")
+    return table
+
+
+def test_measured_buckets_lead_and_the_rest_keep_the_default_order(table, monkeypatch):
+    kpm = torch.zeros(1, 2048, dtype=torch.bool)
+    hit = attention_inputs(*qkv(), key_padding_mask=kpm, window=Window(-1, 0))
+    assert backends.auto_order("attention", CUDA, hit) == ("triton", "torch", "cuda", "reference")
+    miss = attention_inputs(*qkv(D=64), key_padding_mask=kpm, window=Window(-1, 0))
+    assert backends.auto_order("attention", CUDA, miss) == backends.AUTO_ORDER["cuda"]["attention"]
+    assert backends.auto_order("attention", torch.device("cpu"), hit) == ("torch", "reference")
+    monkeypatch.setattr(auto, "capability", lambda index: "sm_80")  # a card never measured
+    assert backends.auto_order("attention", CUDA, hit) == backends.AUTO_ORDER["cuda"]["attention"]
+
+
+def test_a_measured_backend_that_refuses_the_call_falls_through(table):
+    # cuda is measured first for this fp32 bucket, but refuses fp32: auto takes torch
+    inputs = attention_inputs(*qkv(dtype=torch.float32))
+    assert backends.auto_order("attention", CUDA, inputs)[0] == "cuda"
+    assert backends.select("attention", "auto", CUDA, inputs).backend == "torch"
+
+
+def test_routing_traces_without_graph_breaks(table):
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 16, 128, dtype=torch.bfloat16)
+    kpm = torch.zeros(1, 16, dtype=torch.bool)
+
+    def f(q):
+        inputs = attention_inputs(q, q, q, key_padding_mask=kpm, window=Window(-1, 0))
+        return torch.tensor(len(backends.auto_order("attention", CUDA, inputs))) + q.sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q), f(q))
+
+
+# ---- the generator ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def generator():
+    spec = importlib.util.spec_from_file_location(
+        "build_auto_table", ROOT / "scripts/build_auto_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["build_auto_table"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_rows(path, rows):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+
+    env = {"device": "NVIDIA H200"}
+    harness.write_csv([harness.make_row(env, **r) for r in rows], path / "attention.csv")
+
+
+def case(impl, ms, mode="fwd", mask="key_padding", causal=True, D=128, T=4096, ok="yes"):
+    return dict(op="attention", mode=mode, impl=impl, dtype="bfloat16", B=4, H=16, Tq=T, Tk=T,
+                D=D, causal=causal, mask=mask, ms=ms, **{"pass": ok})  # fmt: skip
+
+
+def test_generator_orders_by_speed_against_the_fastest_sdpa_with_a_margin(generator, tmp_path):
+    write_rows(tmp_path, [
+        case("sdpa-flash", 2.0), case("sdpa-efficient", 1.5), case("sdpa-math", 9.0),
+        case("fusedattn-triton", 1.0), case("fusedattn-cuda", 1.48),  # within the 3% margin
+        case("naive", 20.0),
+        case("sdpa-efficient", 1.0, mask="none"), case("fusedattn-triton", 0.5, mask="none", ok="no: wrong"),
+        case("sdpa-flash", 1.0, mode="bwd"), case("fusedattn-triton", 0.1, mode="bwd"),
+    ])  # fmt: skip
+    table = generator.build([tmp_path], set(), 0.03)
+    keys = table["sm_90"]["attention"]
+    assert keys[("fwd", "bfloat16", 128, True, "key_padding", "<=4k")] == ("triton", "torch")
+    assert keys[("fwd", "bfloat16", 128, True, "none", "<=4k")] == (
+        "torch",
+    )  # failed rows do not count
+    assert not any(k[0] == "bwd" for k in keys)  # auto never asks for bwd alone
+    stale = generator.build([tmp_path], {("fusedattn-triton", "attention")}, 0.03)
+    assert stale["sm_90"]["attention"][("fwd", "bfloat16", 128, True, "key_padding", "<=4k")] == (
+        "torch",
+    )
+    text = generator.render(table, ["x"], {("fusedattn-triton", "attention")}, 0.03)
+    namespace = {}
+    exec(compile(text, "auto_table.py", "exec"), namespace)  # the written module loads
+    assert (
+        namespace["TABLE"] == table and "1 keys put a fusedattn kernel ahead" in namespace["SOURCE"]
+    )
+
+
+def test_a_generated_key_is_the_key_of_a_call_with_those_shapes(generator, tmp_path, monkeypatch):
+    write_rows(tmp_path, [case("sdpa-flash", 2.0), case("fusedattn-cuda", 1.0)])
+    monkeypatch.setattr(auto, "TABLE", generator.build([tmp_path], set(), 0.03))
+    monkeypatch.setattr(auto, "capability", lambda index: "sm_90")
+    q, k, v = qkv(T=4096)
+    kpm = torch.zeros(1, 4096, dtype=torch.bool)
+    inputs = attention_inputs(q, k, v, key_padding_mask=kpm, window=Window(-1, 0))
+    assert backends.auto_order("attention", CUDA, inputs)[:2] == ("cuda", "torch")
+
+
+def test_the_committed_table_is_what_the_committed_results_give(generator):
+    """auto_table.py is regenerated whenever results change: rebuilding it from its own
+    sources and exclusions gives the same table."""
+    source = auto.TABLE_SOURCE
+    folders = [ROOT / s.strip() for s in source.split(" (")[0].split(",")] if source else []
+    exclude = set()
+    if "excluded as stale: none" not in source and source:
+        stale = source.split("excluded as stale: ")[1].split(";")[0]
+        exclude = {tuple(x.strip().rstrip(")").split(" (")) for x in stale.split(",")}
+    assert generator.build(folders, exclude, 0.03) == auto.TABLE
+
+
+def test_info_prints_the_table_in_force():
+    import fusedattn.info as info
+
+    text = info.auto_table_text()
+    assert text.startswith("auto: ") and "other calls: cuda: torch > triton" in text
