@@ -4,14 +4,20 @@ Every bench_*.py builds rows with `make_row` and writes them with `write_csv`, s
 (DESIGN.md) holds for every family:
 
   op, mode, impl, dtype, B, H, Tq, Tk, D, M, N, causal, mask, pass, ms, tflops, gbps,
-  peak_mem_mb, speedup_vs_naive, device, torch, triton, cuda, git_sha, date, note
+  peak_mem_mb, speedup_vs_naive, device, torch, triton, cuda, git_sha, date, note,
+  tokens_per_s, step, loss, pct_of_copy, host_us, spread
 
 (M is the row count of LayerNorm and softmax, N their row length; mode is fwd, bwd or fwd+bwd,
 or train/infer for the model benchmark, which fills tokens_per_s; the training demo fills step
-and loss.)
+and loss; bench_host.py fills host_us, the CPU microseconds of one call.)
 
 Timing: `triton.testing.do_bench` medians on CUDA (it warms up, flushes the L2 between runs and
-sizes the repetitions by time); on CPU a perf_counter median after one warm-up call.
+sizes the repetitions by time). do_bench puts one call between two events, so for a call of
+under SMALL_MS the gaps of the host path between calls leak into it: those are re-timed as
+back-to-back calls between one pair of events (what a training loop sees), so fwd+bwd adds up
+to fwd + bwd. On CPU a perf_counter median after one warm-up call. `spread` is the relative
+range (max - min) / median of the repeats; above NOISY_SPREAD the note says the machine was
+noisy and the row should not be trusted.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from fusedattn.testing import compare_kx
 COLUMNS = [
     "op", "mode", "impl", "dtype", "B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask", "pass",
     "ms", "tflops", "gbps", "peak_mem_mb", "speedup_vs_naive", "device", "torch", "triton",
-    "cuda", "git_sha", "date", "note", "tokens_per_s", "step", "loss", "pct_of_copy",
+    "cuda", "git_sha", "date", "note", "tokens_per_s", "step", "loss", "pct_of_copy", "host_us",
+    "spread",
 ]  # fmt: skip
+SMALL_MS = 1.0  # calls shorter than this are timed back to back (see the module docstring)
+NOISY_SPREAD = 0.25
 MODES = ("fwd", "bwd", "fwd+bwd")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,19 +123,54 @@ def device_slug(env: dict) -> str:
 # ---- measuring -----------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[], object], *, device: torch.device, reps: int = 5) -> float:
-    """Median milliseconds of fn()."""
+def _spread(samples: list[float]) -> float:
+    median = statistics.median(samples)
+    return (max(samples) - min(samples)) / median if median > 0 else 0.0
+
+
+def back_to_back_ms(fn: Callable[[], object], calls: int, repeats: int = 5) -> list[float]:
+    """Per-call milliseconds of `calls` back-to-back calls between one pair of CUDA events,
+    `repeats` times."""
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return samples
+
+
+def time_stats(fn: Callable[[], object], *, device: torch.device, reps: int = 5):
+    """(median milliseconds of fn(), spread of the repeats)."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        samples = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="all")
+        if statistics.median(samples) < SMALL_MS:
+            calls = max(10, int(4 * SMALL_MS / max(statistics.median(samples), 1e-3)))
+            samples = back_to_back_ms(fn, min(calls, 400))
+        return float(statistics.median(samples)), _spread(samples)
     fn()
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(samples), _spread(samples)
+
+
+def time_ms(fn: Callable[[], object], *, device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of fn() (time_stats without the spread)."""
+    return time_stats(fn, device=device, reps=reps)[0]
+
+
+def noisy(spread: float) -> str:
+    """The note's warning for a row whose repeats disagree."""
+    return f"; NOISY: repeats spread {spread:.0%}" if spread > NOISY_SPREAD else ""
 
 
 def peak_memory_mb(fn: Callable[[], object], *, device: torch.device) -> float | None:
@@ -234,7 +278,7 @@ def measure(env, device, *, op, impls, leaves, check, fields, work) -> list[dict
             continue
         for mode, call in callables.items():
             try:
-                ms = time_ms(call, device=device)
+                ms, spread = time_stats(call, device=device)
                 peak = peak_memory_mb(call, device=device)
             except torch.cuda.OutOfMemoryError:  # the naive path at large T: part of the story
                 torch.cuda.empty_cache()
@@ -249,7 +293,8 @@ def measure(env, device, *, op, impls, leaves, check, fields, work) -> list[dict
                 env, op=op, mode=mode, impl=name, ms=ms,
                 tflops=None if flops is None else tflops(flops, ms), gbps=speed,
                 pct_of_copy=None if speed is None or not copy else 100.0 * speed / copy,
-                peak_mem_mb=peak, **fields, **{"pass": verdict},
+                peak_mem_mb=peak, spread=spread, note=noisy(spread).lstrip("; ") or None,
+                **fields, **{"pass": verdict},
             )  # fmt: skip
             progress(row)
             rows.append(row)

@@ -101,7 +101,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None) 
     else:
         fn, (grid, args, constexprs) = (
             A.attention_bwd_dq,
-            L.dq_args(q, k, vv, out, lse, lse, torch.empty_like(q), torch.empty(0), False),
+            L.dq_args(q, k, vv, out, out, lse, lse, torch.empty_like(q), torch.empty(0), False),
         )
     compiled = fn.warmup(*args, grid=grid, **constexprs)
     t = getattr(cfg, kernel)

@@ -124,7 +124,7 @@ def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     import bench_attention
 
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
-    monkeypatch.setattr(harness, "time_ms", lambda fn, device, reps=1: (fn(), 1.0)[1])
+    monkeypatch.setattr(harness, "time_stats", lambda fn, device, reps=1: (fn(), (1.0, 0.0))[1])
     variants = [
         c
         for c in bench_attention.cases(True, torch.device("cpu"))
@@ -138,6 +138,42 @@ def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     assert all(r["pass"] == "yes" for r in rows), [r for r in rows if r["pass"] != "yes"]
     window = [r for r in rows if r["mask"] == "window" and r["mode"] == "fwd"]
     assert len({r["tflops"] for r in window}) == 1  # one FLOP count (the window's) for all
+
+
+def test_timing_reports_the_spread_and_flags_noisy_rows(monkeypatch):
+    ms, spread = harness.time_stats(lambda: sum(range(1000)), device=torch.device("cpu"))
+    assert ms > 0 and spread >= 0
+    assert harness._spread([1.0, 1.0, 2.0]) == 1.0
+    assert harness.noisy(0.1) == "" and "NOISY" in harness.noisy(harness.NOISY_SPREAD + 0.01)
+    # a warm-up call, then repeats of (start, end): one of them 4 ms slower
+    samples = iter([0.0, 1.0, 0.0, 1.0, 0.0, 5.0])
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(samples) / 1e3)
+    ms, spread = harness.time_stats(lambda: None, device=torch.device("cpu"), reps=3)
+    assert ms == 1.0 and spread == 4.0
+
+
+def test_host_benchmark_runs_and_fills_host_us(tmp_path, monkeypatch):
+    import argparse
+
+    import bench_host
+
+    from fusedattn.ops import attention_launch, backends
+
+    # bench_host stubs these for its own process: restore them after the test
+    Launch = attention_launch.TritonAttentionLaunch
+    monkeypatch.setattr(Launch, "launch", Launch.__dict__["launch"])
+    monkeypatch.setattr(backends, "triton_interpreter_enabled", backends.triton_interpreter_enabled)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(bench_host, "host_us", lambda fn, **kw: (fn(), (123.0, 0.5))[1])
+    rows = bench_host.run(argparse.Namespace(sm90_tool=None, label=" (test)"))
+    assert {(r["mode"], r["causal"]) for r in rows} == {
+        ("fwd", False),
+        ("fwd+bwd", False),
+        ("fwd", True),
+        ("fwd+bwd", True),
+    }
+    assert all(r["host_us"] == 123.0 and "NOISY" in r["note"] for r in rows)
+    assert all(r["impl"] == "fusedattn-triton (test)" for r in rows)
 
 
 def _rows(**changes):

@@ -11,6 +11,7 @@ the scores), key padding (B, Tk) bool (True = padding), and the positional windo
 sits at key position p = i (+ Tk - Tq when bottom-right) and sees key j iff
 p - left <= j <= p + right (a side of -1 is unbounded).
 
+The backward is two launches: dq (which also writes delta = rowsum(dO * O)), then dk/dv.
 Key tiles outside a query block's window are never visited; inside it, the tiles that every
 row of the block sees in full run without the positional mask (an unmasked interior loop
 between two masked boundary loops). Scores are kept in the log2 domain (scaled by log2(e)) so
@@ -22,6 +23,7 @@ query blocks longest first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import triton
@@ -54,6 +56,7 @@ class AttentionConfig:
     dq: Tiles
 
 
+@functools.lru_cache(maxsize=256)
 def attention_config(D: int, Dv: int, on_gpu: bool) -> AttentionConfig:
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
     fast and cross several blocks. GPU tiles are a safe starting point for sm_80/sm_90
@@ -346,29 +349,6 @@ def attention_fwd(
 
 
 @triton.jit
-def attention_bwd_delta(
-    Out, DO, DELTA, CU_Q, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, slse_b, slse_h,
-    H, Tq, Dv, num_m_blocks,
-    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
-    """delta = rowsum(dO * O), the softmax-backward correction term, fp32, laid out as lse."""
-    bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, False)
-    b = bh // H
-    h = bh % H
-    q_start, q_len, _, _ = _seq_bounds(b, CU_Q, CU_Q, Tq, Tq, VARLEN)
-    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ptr = (q_start + rows).to(tl.int64)
-    dv = tl.arange(0, BLOCK_DV)
-    inb = (rows < q_len)[:, None] & (dv < Dv)[None, :]
-    o = tl.load(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :], mask=inb,
-                other=0.0)  # fmt: skip
-    do = tl.load(DO + b * sdo_b + h * sdo_h + row_ptr[:, None] * sdo_t + dv[None, :], mask=inb,
-                 other=0.0)  # fmt: skip
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=rows < q_len)
-
-
-@triton.jit
 def _dkdv_tiles(
     dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi, cols, d, dv,
     b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
@@ -538,8 +518,8 @@ def _dq_tiles(
 
 @triton.jit
 def attention_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, SEED, SLOPES, CU_Q, CU_K,
-    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+    Q, K, V, Out, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, SEED, SLOPES, CU_Q, CU_K,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t,
     sdq_b, sdq_h, sdq_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
     H, Tq, Tk, D, Dv, group, num_m_blocks, scale, softcap, window_left, window_right,
@@ -551,8 +531,11 @@ def attention_bwd_dq(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """dq of one query block; with MASK_GRAD also dS, the gradient of the float mask, into a
-    dense (B, H, Tq, Tk) fp32 buffer (padded batches only), with delta summed exactly first."""
+    """dq of one query block, the backward's first kernel: it also computes the block's
+    delta = rowsum(dO * O) (the softmax-backward correction term) and stores it, laid out as
+    lse, for the dk/dv kernel that runs next (no separate launch for it). With MASK_GRAD also
+    dS, the gradient of the float mask, into a dense (B, H, Tq, Tk) fp32 buffer (padded
+    batches only), dq then using delta summed exactly as rowsum(P * dP)."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -573,13 +556,18 @@ def attention_bwd_dq(
                  mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
     lse = tl.load(LSE + b * slse_b + h * slse_h + row_ptr, mask=inb, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + b * slse_b + h * slse_h + row_ptr, mask=inb, other=0.0)
+    o = tl.load(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :],
+                mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=inb)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
     K_head = K + b * sk_b + hk * sk_h + k_start * sk_t
     V_head = V + b * sv_b + hk * sv_h + k_start * sv_t
-    DMASK_row = DMASK + bh * Tq * Tk
+    DMASK_row = DMASK  # None unless MASK_GRAD
+    if MASK_GRAD:
+        DMASK_row = DMASK + bh * Tq * Tk
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(start_m, q_len, k_len, offset, window_left,
                                         window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip

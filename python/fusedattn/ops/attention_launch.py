@@ -118,16 +118,6 @@ class TritonAttentionLaunch:
         constexprs = dict(HAS_SINKS=self.sinks is not None, **self.flags, **self.tiles("fwd"))
         return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
 
-    def delta_args(self, out, do, delta):
-        args = (
-            out, do, delta, self.cu_q, *self.strides(out), *self.strides(do), *self.lse_strides,
-            self.H, self.Tq, self.Dv, self.query_blocks("dq"),
-        )  # fmt: skip
-        constexprs = dict(
-            VARLEN=self.varlen, BLOCK_M=self.cfg.dq.block_m, BLOCK_DV=self.cfg.block_dv
-        )
-        return (self.B * self.H * self.query_blocks("dq"),), args, constexprs
-
     def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
         args = (
             q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.seed, self.slopes,
@@ -139,11 +129,12 @@ class TritonAttentionLaunch:
         grid = (self.B * self.Hkv * self.key_blocks("dkdv"),)
         return grid, args, dict(**self.flags, **self.tiles("dkdv"))
 
-    def dq_args(self, q, k, v, do, lse, delta, dq, dmask, mask_grad):
+    def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad):
         args = (
-            q, k, v, do, lse, delta, dq, dmask, self.mask, self.kpm, self.seed, self.slopes,
+            q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.seed, self.slopes,
             self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
-            *self.strides(do), *self.strides(dq), *self.lse_strides, *self.mask_strides,
+            *self.strides(out), *self.strides(do), *self.strides(dq), *self.lse_strides,
+            *self.mask_strides,
             self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
             self.query_blocks("dq"), *self.scalars,
         )  # fmt: skip

@@ -137,8 +137,7 @@ def _no_keys(out, lse, sinks):
     return out, lse.copy_(sinks.float().view(shape).expand_as(lse))
 
 
-@torch.library.custom_op("fusedattn::attention_fwd", mutates_args=())
-def attention_fwd(
+def attention_fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -162,19 +161,32 @@ def attention_fwd(
     """-> (out, lse fp32): (B, Hq, Tq, Dv) and (B, Hq, Tq), or packed (total_q, Hq, Dv) and
     (Hq, total_q) when cu_seqlens are given. With dropout_p > 0, `seed` (an int64 tensor on
     q's device) seeds the Philox stream the backward regenerates."""
+    out, lse, _launch = _attention_forward(
+        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
+        dropout_p, seed, backend,
+    )  # fmt: skip
+    return out, lse
+
+
+def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+                       bottom_right, scale, softcap, dropout_p, seed, backend):  # fmt: skip
+    """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
+    to reuse."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
     out = _empty_out_like(q, v.shape[-1], varlen)
     if backend == "cuda":
         lse = new_output(q.shape[:3], torch.float32, q.device)
         if out.numel() == 0 or k.shape[2] == 0:
-            return out.zero_(), lse.fill_(float("-inf"))
+            return out.zero_(), lse.fill_(float("-inf")), None
         is_causal = window_right == 0 and window_left < 0 and not bottom_right
         extension().attention_fwd(
             q, k, v, out, lse, *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal,
             scale, dropout_p, seed,
         )  # fmt: skip
-        return out, lse
+        return out, lse, None
     L = TritonAttentionLaunch(
         q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
@@ -182,11 +194,15 @@ def attention_fwd(
     )  # fmt: skip
     lse = new_output(L.lse_shape, torch.float32, q.device)
     if out.numel() == 0 or L.B * L.query_blocks("fwd") == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
+        return out.zero_(), lse.fill_(float("-inf")), L
     if L.Tk == 0:
-        return _no_keys(out, lse, L.sinks)
+        return (*_no_keys(out, lse, L.sinks), L)
     L.launch(L.K.attention_fwd, *L.fwd_args(q, k, v, out, lse))
-    return out, lse
+    return out, lse, L
+
+
+attention_fwd = torch.library.custom_op("fusedattn::attention_fwd", attention_fwd_impl,
+                                       mutates_args=())  # fmt: skip
 
 
 @attention_fwd.register_fake
@@ -200,8 +216,7 @@ def _(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, c
     return _empty_out(q, v.shape[-1]), q.new_empty(B, H, Tq, dtype=torch.float32)
 
 
-@torch.library.custom_op("fusedattn::attention_bwd", mutates_args=())
-def attention_bwd(
+def attention_bwd_impl(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -229,15 +244,30 @@ def attention_bwd(
     """-> (dq, dk, dv, dS, dsinks): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the
     scores (the float mask's gradient before its broadcast is summed), empty unless
     mask_grad; dsinks fp32 (Hq,), empty without sinks."""
+    *grads, dmask, dsinks = _attention_backward(
+        do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
+        scale, softcap, dropout_p, seed, mask_grad, backend,
+    )  # fmt: skip
+    empty = q.new_empty(0, dtype=torch.float32)  # a custom op returns tensors, never None
+    return (*grads, empty if dmask is None else dmask, empty.clone() if dsinks is None else dsinks)
+
+
+def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
+                        window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
+                        backend, launch=None):  # fmt: skip
+    """attention_bwd_impl, reusing the forward's Triton launch when it is given (eager); dS
+    and dsinks are None when not asked for."""
     q, k, v, out, do = _kernel_layout(backend, q, k, v, out, do)
     dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
     varlen = cu_seqlens_q is not None
     B, H, Tq = (0, 0, 0) if varlen else q.shape[:3]
     Tk = 0 if varlen else k.shape[2]
     # zeros: the tiles the dq kernel skips (outside the window) must read 0
-    dmask = torch.zeros((B, H, Tq, Tk) if mask_grad else (0,), dtype=torch.float32, device=q.device)
-    dsinks = torch.zeros(
-        (0,) if sinks is None else sinks.shape, dtype=torch.float32, device=q.device
+    dmask = torch.zeros((B, H, Tq, Tk), dtype=torch.float32, device=q.device) if mask_grad else None
+    dsinks = (
+        None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=q.device)
     )
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask, dsinks
@@ -249,20 +279,23 @@ def attention_bwd(
             *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal, scale, dropout_p, seed,
         )  # fmt: skip
         return dq, dk, dv, dmask, dsinks
-    L = TritonAttentionLaunch(
+    L = launch or TritonAttentionLaunch(
         q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
         dropout_p, seed,
     )  # fmt: skip
-    delta = new_output(L.lse_shape, torch.float32, q.device)
-    L.launch(L.K.attention_bwd_delta, *L.delta_args(out, do, delta))
+    delta = new_output(L.lse_shape, torch.float32, q.device)  # written by the dq kernel
+    L.launch(L.K.attention_bwd_dq, *L.dq_args(q, k, v, out, do, lse, delta, dq, dmask, mask_grad))
     L.launch(L.K.attention_bwd_dkdv, *L.dkdv_args(q, k, v, do, lse, delta, dk, dv))
-    L.launch(L.K.attention_bwd_dq, *L.dq_args(q, k, v, do, lse, delta, dq, dmask, mask_grad))
     if sinks is not None:  # d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
         sink = sinks.float().view(-1, 1) if varlen else sinks.float().view(1, -1, 1)
         p_sink = torch.exp(sink - lse)
         dsinks = -(p_sink * delta).sum(dim=-1 if varlen else (0, 2))
     return dq, dk, dv, dmask, dsinks
+
+
+attention_bwd = torch.library.custom_op("fusedattn::attention_bwd", attention_bwd_impl,
+                                       mutates_args=())  # fmt: skip
 
 
 @attention_bwd.register_fake
@@ -281,10 +314,8 @@ def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, c
     )
 
 
-def _setup(ctx, inputs, output):
-    (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_q, cu_k, *scalars) = inputs
-    *scalars, seed, backend = scalars
-    out, lse = output
+def _save(ctx, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_q, cu_k, scalars,
+          seed, backend, out, lse):  # fmt: skip
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks,
                           cu_q, cu_k, seed)  # fmt: skip
     ctx.scalars, ctx.backend = tuple(scalars), backend
@@ -292,19 +323,54 @@ def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _grads(ctx, dout, attention_bwd_fn, n_inputs):
+    """The input gradients of the forward saved by _save: q, k, v, the float mask, the sinks,
+    None for the other n_inputs."""
     q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, seed = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
-    dq, dk, dv, dscores, dsinks = torch.ops.fusedattn.attention_bwd(
+    dq, dk, dv, dscores, dsinks = attention_bwd_fn(
         dout, q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, *ctx.scalars,
         seed, mask_grad, ctx.backend,
     )  # fmt: skip
     dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
     dsinks = dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[6] else None
-    return (dq, dk, dv, dmask, None, None, dsinks) + (None,) * 12
+    return (dq, dk, dv, dmask, None, None, dsinks) + (None,) * (n_inputs - 7)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, *scalars, seed, backend = inputs
+    _save(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, scalars, seed, backend,
+          *output)  # fmt: skip
+
+
+def _backward(ctx, dout, _dlse):
+    return _grads(ctx, dout, torch.ops.fusedattn.attention_bwd, 19)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The same forward and backward for eager calls, without torch.library's autograd layer
+    (which fills defaults and re-dispatches every argument: most of the host time of a
+    fwd+bwd, benchmarks/bench_host.py), with the scalars in one argument and the forward's
+    launch arguments reused by the backward. torch.compile traces the custom ops instead
+    (_forward picks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, rest):
+        *scalars, seed, backend = rest
+        out, lse, ctx.launch = _attention_forward(
+            q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, *rest
+        )
+        _save(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, scalars, seed,
+              backend, out, lse)  # fmt: skip
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        bwd = functools.partial(_attention_backward, launch=ctx.launch)
+        return _grads(ctx, dout, bwd, 10)
 
 
 def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -314,11 +380,16 @@ def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, m
     seed = None
     if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
-    out, lse = torch.ops.fusedattn.attention_fwd(
-        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, window.left, window.right, window.bottom_right, scale,
-        softcap, dropout_p, seed, backend,
-    )  # fmt: skip
+    rest = (max_seqlen_q, max_seqlen_k, window.left, window.right, window.bottom_right, scale,
+            softcap, dropout_p, seed, backend)  # fmt: skip
+    tensors = (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+               cu_seqlens_k)  # fmt: skip
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.fusedattn.attention_fwd(*tensors, *rest)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        out, lse = EagerAttention.apply(*tensors, rest)
+    else:  # inference: no autograd node to build
+        out, lse, _launch = _attention_forward(*tensors, *rest)
     return (out, lse) if return_lse else out
 
 

@@ -25,11 +25,17 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 POISON_ENV = "FUSEDATTN_POISON_OUTPUTS"
 
 
+@functools.cache
+def poisoned() -> bool:
+    """FUSEDATTN_POISON_OUTPUTS=1, read once (the test suite sets it before any import)."""
+    return os.environ.get(POISON_ENV) == "1"
+
+
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """torch.empty, or NaN-filled when FUSEDATTN_POISON_OUTPUTS=1 (the test suite sets it): an
     element a kernel forgets to write then fails every comparison instead of passing as stale
     memory that happens to hold the right value."""
-    if os.environ.get(POISON_ENV) == "1":
+    if poisoned():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -37,7 +43,7 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
 def new_output_like(t: torch.Tensor) -> torch.Tensor:
     """torch.empty_like (same strides), poisoned like new_output."""
     out = torch.empty_like(t)
-    return out.fill_(float("nan")) if os.environ.get(POISON_ENV) == "1" else out
+    return out.fill_(float("nan")) if poisoned() else out
 
 
 def kernels(name: str):

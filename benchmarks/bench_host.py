@@ -1,0 +1,127 @@
+"""Host cost of one call: microseconds of CPU time per fusedattn.attention forward and
+forward+backward on the Triton path, with the GPU work taken out of the picture.
+
+    python benchmarks/bench_host.py [--sm90-tool ../shared/tools/sm90_static.py] [--out DIR]
+
+On a GPU the shapes are tiny (B=1, H=2, T=64, D=64: the kernels take a few µs) and calls are
+timed back to back, so the time is the host's. Without a GPU, `--sm90-tool` compiles the
+Triton kernels for sm_90 and replaces only the final driver launch by a no-op: every line of
+Python on the path (validation, dispatch, autograd, the launch arguments, Triton's own
+launcher) runs and is timed. Without either, the kernel launches themselves are skipped
+(Triton's launcher excluded; the note column says which).
+
+Run it from two checkouts (PYTHONPATH) on the same machine to compare host cost before and
+after a change; the CSV's host_us column holds the median of 7 repeats of 200 calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import harness
+import torch
+
+SHAPE = (1, 2, 64, 64)
+
+
+def stub_driver_launch(tool_path: str) -> None:
+    """Compile for sm_90 on this machine and make the final launch a no-op."""
+    spec = importlib.util.spec_from_file_location("sm90_static", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.install()
+    from triton.compiler import compiler
+
+    def no_handles(self):
+        self.module, self._run = "stub", lambda *args, **kwargs: None
+
+    compiler.CompiledKernel._init_handles = no_handles
+
+
+def host_us(fn, repeats=7, calls=200, sync=lambda: None) -> tuple[float, float]:
+    """(median, spread) over repeats of the mean µs per call."""
+    for _ in range(20):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    median = statistics.median(samples)
+    return median, (max(samples) - min(samples)) / median
+
+
+def run(args) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    note = "real launches, tiny shapes"
+    if device.type == "cpu":
+        if args.sm90_tool:
+            stub_driver_launch(args.sm90_tool)
+            note = "compiled for sm_90, driver launch stubbed"
+        import fusedattn.ops.backends as backends
+
+        backends.triton_interpreter_enabled = lambda: True  # accept CPU tensors: nothing runs
+        if not args.sm90_tool:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+            note = "kernel launches skipped (Triton's launcher not timed)"
+            from fusedattn.ops import attention_launch
+
+            attention_launch.TritonAttentionLaunch.launch = staticmethod(lambda *a: None)
+    import fusedattn
+
+    env = harness.environment(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    q, k, v = (torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(SHAPE, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for causal in (False, True):
+
+        def fwd(causal=causal):
+            with torch.no_grad():
+                return fusedattn.attention(q, k, v, is_causal=causal, backend="triton")
+
+        def fwd_bwd(causal=causal):
+            out = fusedattn.attention(q, k, v, is_causal=causal, backend="triton")
+            return torch.autograd.grad(out, (q, k, v), grad)
+
+        for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            us, spread = host_us(fn, sync=sync)
+            row = harness.make_row(
+                env, op="attention", mode=mode, impl="fusedattn-triton" + args.label,
+                dtype=str(dtype)[6:],
+                B=SHAPE[0], H=SHAPE[1], Tq=SHAPE[2], Tk=SHAPE[2], D=SHAPE[3], causal=causal,
+                host_us=us, note=f"{note}; spread {spread:.0%}" + harness.noisy(spread),
+            )  # fmt: skip
+            print(f"  host {mode:<8} causal={causal!s:<5} {us:8.1f} µs/call  ({row['note']})")
+            rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sm90-tool", help="sm90_static.py: compile for sm_90, stub the launch")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--label", default="", help="appended to the impl column (a checkout)")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    if args.out:
+        path = args.out / "host.csv"
+        if path.exists():  # several checkouts into one file
+            rows = harness.read_csv(path) + rows
+        print(f"wrote {harness.write_csv(rows, path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
