@@ -1,6 +1,7 @@
 """The benchmark harness on CPU: FLOP and byte formulas, the CSV schema, speedups, and a real
 quick run of each family writing a CSV whose rows pass the k× check."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -217,10 +218,27 @@ def test_model_benchmark_rows_on_cpu(tmp_path):
     import bench_model
 
     rows = bench_model.run(True, torch.device("cpu"), harness.environment())
-    assert {r["impl"] for r in rows} >= {"naive", "torch"}
+    assert {r["impl"] for r in rows} >= {"naive", "torch", "auto"}
+    assert {r["op"] for r in rows} == {"model:tiny-decoder", "model:tiny-encoder-padded"}
     assert {r["mode"] for r in rows} == {"train", "infer"}
     assert all(r["pass"] == "yes" and float(r["tokens_per_s"]) > 0 for r in rows)
     assert any(r["speedup_vs_naive"] not in ("", 1.0) for r in rows)
+
+
+@pytest.mark.kernels
+def test_model_benchmark_kernel_rows_run_through_the_interpreter(monkeypatch):
+    """The GPU-only fusedattn-triton model rows, run here so a GPU session does not find
+    their bugs (one length, timing stubbed)."""
+    import bench_model
+
+    monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
+    monkeypatch.setattr(harness, "time_ms", lambda fn, device, reps=1: (fn(), 1.0)[1])
+    small = [dataclasses.replace(c, lengths=(32,), tokens=64)
+             for c in bench_model.cases(True, torch.device("cpu"))]  # fmt: skip
+    monkeypatch.setattr(bench_model, "cases", lambda quick, device: small)
+    rows = bench_model.run(True, torch.device("cpu"), {"device": "cpu"})
+    ours = [r for r in rows if r["impl"] == "fusedattn-triton"]
+    assert len(ours) == 4 and all(r["pass"] == "yes" for r in ours)
 
 
 def test_training_demo_rows_and_plot(tmp_path):
