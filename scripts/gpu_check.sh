@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The one prepared GPU call: build fusedattn._C for this card, run the GPU tests and the quick
-# benchmarks, and write logs and CSVs into the folder given (default $OUT, else
-# .make/gpu-check). No network is assumed: nothing is downloaded. Each step has a time limit
-# so the whole run stays inside one device call (600 s); a failing step does not stop the
-# others. GPU_CHECK_STEPS picks steps (default: all, in this order):
-#   build info cuda-attention bench-attention tests bench-rowwise
+# The prepared GPU calls: build fusedattn._C for this card, run the GPU tests, time the kernels,
+# and write logs and CSVs into the folder given (default $OUT, else .make/gpu-check). No
+# network is assumed: nothing is downloaded (a Liger-Kernel wheel carried in .whl/ is
+# installed for the norm baselines). Each step has a time limit; a failing step does not stop
+# the others. GPU_CHECK_STEPS picks steps, in this order; two presets fit one device call
+# (at most 8 minutes) each:
+#   check   (default) build info triton-tests cuda-tests bench-attention
+#   measure build tune-triton bench-norms bench-model host
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention) and
-# tune (builds the attention tile variants, FUSEDATTN_TUNING=1, and times them).
+# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1).
 #
-#   bash scripts/gpu_check.sh OUT_DIR        (or: make gpu-check OUT=OUT_DIR)
+#   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
+#   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out_dir=${1:-${OUT:-.make/gpu-check}}
@@ -16,7 +19,11 @@ mkdir -p "$out_dir"
 exec > >(tee "$out_dir/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}  # the GPU image has python3 only
-steps=" ${GPU_CHECK_STEPS:-build info cuda-attention bench-attention tests bench-rowwise} "
+case "${GPU_CHECK_STEPS:-check}" in
+  check) steps=" build info triton-tests cuda-tests bench-attention " ;;
+  measure) steps=" build tune-triton bench-norms bench-model host " ;;
+  *) steps=" ${GPU_CHECK_STEPS} " ;;
+esac
 status=0
 
 step() {  # step NAME SECONDS COMMAND...
@@ -24,12 +31,30 @@ step() {  # step NAME SECONDS COMMAND...
   shift 2
   [[ $steps == *" ${name%%:*} "* ]] || return 0  # profile:ncu runs with "profile"
   echo "== $name (limit ${limit}s): $*"
-  timeout "$limit" "$@"
+  timeout "$limit" bash -c '"$@"' _ "$@"  # bash -c: a step may be a function of this script
   rc=$?
   echo "== $name: exit $rc after $((SECONDS - start))s"
   [ "$rc" -eq 0 ] || status=1
   return "$rc"
 }
+
+# N pytest processes over one test selection (every N-th test each): the Triton kernels of
+# the test grid compile in parallel on the machine's cores. Logs per shard in $out_dir.
+sharded_pytest() {  # sharded_pytest NAME SHARDS PYTEST_ARGS...
+  local name=$1 shards=$2 pids=() rc=0
+  shift 2
+  for ((i = 0; i < shards; i++)); do
+    $PYTHON -m pytest -q -rs --tb=short --shard "$i/$shards" "$@" >"$out_dir/$name-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  tail -n 3 "$out_dir"/"$name"-*.log
+  grep -h "^FAILED\|^ERROR" "$out_dir"/"$name"-*.log | head -40
+  return "$rc"
+}
+
+export -f sharded_pytest
+export out_dir PYTHON
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
 # Compile for this card only (the default list also builds sm_80): halves the build.
@@ -38,16 +63,31 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
 export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export FUSEDATTN_FORCE_CUDA_BUILD=1 FUSEDATTN_EXPECT_CUDA_BUILD=1
-[[ $steps == *" tune "* ]] && export FUSEDATTN_TUNING=1
+[[ $steps == *" tune-cuda "* ]] && export FUSEDATTN_TUNING=1
 
-# CSVs only (at most 8 files come back); draw the plots afterwards with
-# `python benchmarks/report.py DIR --plot`. The CPU-only tests are CI's job.
+# CSVs only; draw the plots afterwards with `python benchmarks/report.py DIR --plot`, and
+# rebuild auto's table with scripts/build_auto_table.py. The CPU-only tests are CI's job.
 step build 150 $PYTHON -m pip install --no-build-isolation --no-deps -e . || exit 1
 step info 20 $PYTHON -m fusedattn.info
-# The CUDA attention first and in its own process: a kernel fault cannot take the rest down.
-step cuda-attention 150 $PYTHON -m pytest -q -rs --maxfail=25 --tb=short tests/test_cuda_attention.py
+# The Triton kernels (never run on a GPU in this form before): every kernels/gpu test of the
+# attention, its variants and the norms, 8 processes compiling at once.
+step triton-tests 240 sharded_pytest triton 8 -m "gpu or kernels" tests/test_attention.py \
+  tests/test_attention_variants.py tests/test_empty_inputs.py tests/test_layernorm.py \
+  tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py
+# The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.
+step cuda-tests 150 sharded_pytest cuda 4 -m "gpu or kernels" tests/test_cuda_attention.py \
+  tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py
 step bench-attention 150 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
   --out "$out_dir"
+step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
+if [[ $steps == *" bench-norms "* ]] && ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+  $PYTHON -m pip install --no-deps --no-index .whl/liger_kernel-*.whl || true
+fi
+step bench-norms 200 $PYTHON benchmarks/run_all.py --quick --no-plots \
+  --only layernorm,rmsnorm,softmax --out "$out_dir"
+step bench-model 200 $PYTHON benchmarks/run_all.py --quick --no-plots --only model \
+  --out "$out_dir"
+step host 60 $PYTHON benchmarks/bench_host.py --out "$out_dir"
 if [[ $steps == *" profile "* ]]; then
   step profile 60 $PYTHON scripts/profile_attention.py
   step profile:causal 40 $PYTHON scripts/profile_attention.py --causal
@@ -57,12 +97,6 @@ if [[ $steps == *" profile "* ]]; then
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
     --log-file "$out_dir/ncu.txt" $PYTHON scripts/profile_attention.py --ncu
 fi
-step tune 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
-# Verbose, so that a run cut short still shows which tests passed; the cheap families first.
-step tests "${GPU_CHECK_TESTS_LIMIT:-240}" $PYTHON -m pytest -v -rs --tb=short -m "gpu or kernels" \
-  tests/test_gpu_backends.py tests/test_layernorm.py tests/test_softmax.py tests/test_swap.py \
-  tests/test_attention.py
-step bench-rowwise 90 $PYTHON benchmarks/run_all.py --quick --no-plots \
-  --only layernorm,softmax --out "$out_dir"
+step tune-cuda 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
 echo "== gpu-check done: status $status; files in $out_dir"
 exit "$status"

@@ -17,7 +17,22 @@ if not HAS_CUDA:
 os.environ.setdefault("FUSEDATTN_POISON_OUTPUTS", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        help="I/N: run only every N-th collected test starting at I (parallel GPU runs: "
+        "scripts/gpu_check.sh starts N pytest processes that compile Triton kernels at once)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard:
+        index, count = (int(p) for p in shard.split("/"))
+        kept = [item for i, item in enumerate(items) if i % count == index]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

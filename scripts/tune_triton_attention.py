@@ -1,0 +1,187 @@
+"""Time the Triton attention kernels under candidate tiles (issue #12) and say which win.
+
+    python scripts/tune_triton_attention.py [--out DIR] [--jobs 16] [--cases d128,d128c,d64,d64c]
+
+For each kernel (fwd, dq, dkdv) and each candidate tiling (the shipped one first), at the
+H200 comparison points (bf16, B=4, H=16, T=4096; D=128 and 64, causal and not): the kernel's
+median time (triton.testing.do_bench), TFLOP/s, the speedup over the shipped tiles, and the
+largest difference of its output from the shipped tiles' output (a tiling changes rounding
+order only: a large difference is a bug). Writes tune_triton_attention.csv into DIR.
+
+Candidates come from the sm_90 static screen (benchmarks/results/sm90-static/): no spills,
+fewer instructions per score element. All of them compile first, in parallel processes
+(Triton's on-disk cache), then time in this one. Without a GPU it runs a tiny dry run in the
+interpreter (the same code path, no timing worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+# (kernel, "BMxBNwWARPSsSTAGES"); the shipped tiles are always measured first
+CANDIDATES = {
+    "fwd": ["128x64w8s3", "128x128w8s2", "128x64w4s3", "64x128w4s3"],
+    "dq": ["128x64w8s3", "128x32w8s2", "64x64w8s2"],
+    "dkdv": ["64x128w8s3", "32x128w8s2", "64x64w8s3"],
+}
+CASES = {"d128": (128, False), "d128c": (128, True), "d64": (64, False), "d64c": (64, True)}
+B, H, T = 4, 16, 4096
+FLOPS = {"fwd": 4.0, "dq": 6.0, "dkdv": 8.0}  # per (q, k) pair and head dim: GEMMs of each kernel
+
+
+def tiles(spec: str):
+    from fusedattn.triton_kernels.attention import Tiles
+
+    bm, rest = spec.split("x")
+    bn, rest = rest.split("w")
+    warps, stages = rest.split("s")
+    return Tiles(int(bm), int(bn), int(warps), int(stages))
+
+
+def setup(D: int, causal: bool, device, dtype, shape=(B, H, T)):
+    """Inputs, the forward/backward buffers a shipped-tiles run fills, and launch builders."""
+    import torch
+
+    from fusedattn.ops.attention_launch import TritonAttentionLaunch
+    from fusedattn.triton_kernels.attention import attention_config
+
+    b, h, t = shape
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, t, h, D, device=device, dtype=dtype).transpose(1, 2)
+                   for _ in range(4))  # fmt: skip
+    base = attention_config(D, D, device.type == "cuda")
+
+    def launch(kernel=None, spec=None):
+        cfg = base if spec is None else dataclasses.replace(base, **{kernel: tiles(spec)})
+        return TritonAttentionLaunch(
+            q, k, v, None, None, None, None, None, None, 0, 0, -1, 0 if causal else -1, False,
+            D**-0.5, 0.0, 0.0, None, config=cfg,
+        )  # fmt: skip
+
+    out = torch.empty(b, t, h, D, device=device, dtype=dtype).transpose(1, 2)
+    lse = torch.empty(b, h, t, device=device)
+    delta = torch.empty(b, h, t, device=device)
+    L = launch()
+    L.launch(L.K.attention_fwd, *L.fwd_args(q, k, v, out, lse))
+    bufs = dict(q=q, k=k, v=v, do=do, out=out, lse=lse, delta=delta)
+    L.launch(L.K.attention_bwd_dq, *L.dq_args(q, k, v, out, do, lse, delta, torch.empty_like(q),
+                                              None, False))  # fmt: skip
+    return bufs, launch
+
+
+def kernel_call(kernel: str, L, bufs):
+    """(jit function, grid, args, constexprs, output tensor) of one kernel launch."""
+    import torch
+
+    q, k, v, do, out, lse, delta = (bufs[n] for n in ("q", "k", "v", "do", "out", "lse", "delta"))
+    if kernel == "fwd":
+        result = torch.empty_like(out)
+        return (L.K.attention_fwd, *L.fwd_args(q, k, v, result, torch.empty_like(lse)), result)
+    if kernel == "dq":
+        result = torch.empty_like(q)
+        return (L.K.attention_bwd_dq,
+                *L.dq_args(q, k, v, out, do, lse, torch.empty_like(delta), result, None, False),
+                result)  # fmt: skip
+    result = torch.empty_like(k)
+    return (L.K.attention_bwd_dkdv,
+            *L.dkdv_args(q, k, v, do, lse, delta, result, torch.empty_like(v)), result)  # fmt: skip
+
+
+def compile_one(case: str, kernel: str, spec: str | None) -> str:
+    """Child process: compile one candidate into Triton's cache (no timing)."""
+    import torch
+
+    D, causal = CASES[case]
+    bufs, launch = setup(D, causal, torch.device("cuda"), torch.bfloat16)
+    fn, grid, args, constexprs, _ = kernel_call(kernel, launch(kernel, spec), bufs)
+    fn.warmup(*args, grid=grid, **constexprs)
+    return f"{case} {kernel} {spec or 'shipped'}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = torch.device("cuda" if gpu else "cpu")
+    cases = args.cases.split(",")
+    jobs = [(c, kern, spec) for c in cases for kern, specs in CANDIDATES.items()
+            for spec in [None, *specs]]  # fmt: skip
+    if gpu and args.jobs > 1:
+        start = time.perf_counter()
+        ctx = __import__("multiprocessing").get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(compile_one, *job): job for job in jobs}
+            for future in concurrent.futures.as_completed(futures):
+                try:
+                    future.result()
+                except Exception as exc:  # reported again (and skipped) when timed below
+                    print(f"  compile {futures[future]}: {repr(exc)[:200]}", flush=True)
+        print(f"compiled {len(jobs)} candidates in {time.perf_counter() - start:.0f}s", flush=True)
+    rows = []
+    for case in cases:
+        D, causal = CASES[case]
+        dtype = torch.bfloat16 if gpu else torch.float32
+        shape = (B, H, T) if gpu else (1, 2, 64)
+        bufs, launch = setup(D, causal, device, dtype, shape)
+        for kernel, specs in CANDIDATES.items():
+            shipped_ms = reference = None
+            for spec in [None, *specs]:
+                try:
+                    fn, grid, a, kw, result = kernel_call(kernel, launch(kernel, spec), bufs)
+                    call = lambda fn=fn, grid=grid, a=a, kw=kw: fn[grid](*a, **kw)  # noqa: E731
+                    call()
+                    if gpu:
+                        import triton.testing
+
+                        ms = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
+                    else:
+                        start = time.perf_counter()
+                        call()
+                        ms = (time.perf_counter() - start) * 1e3
+                except Exception as exc:  # a candidate that fails (resources, compile) is reported
+                    print(f"  {case} {kernel} {spec}: failed: {repr(exc)[:200]}", flush=True)
+                    rows.append(dict(case=case, kernel=kernel, tiles=spec, error=repr(exc)[:300]))
+                    continue
+                if spec is None:
+                    shipped_ms, reference = ms, result.float().clone()
+                err = (result.float() - reference).abs().max().item()
+                b, h, t = shape
+                flops = FLOPS[kernel] * b * h * t * t * D * (0.5 if causal else 1.0)
+                row = dict(case=case, kernel=kernel, tiles=spec or "shipped",
+                           ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+                           speedup=round(shipped_ms / ms, 3), max_diff=f"{err:.3g}")  # fmt: skip
+                print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                rows.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "tune_triton_attention.csv"
+    fields = ["case", "kernel", "tiles", "ms", "tflops", "speedup", "max_diff", "error"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    for case in cases:
+        for kernel in CANDIDATES:
+            mine = [r for r in rows if r["case"] == case and r["kernel"] == kernel and "ms" in r]
+            if mine:
+                best = min(mine, key=lambda r: r["ms"])
+                print(f"best {case} {kernel}: {best['tiles']} ({best['speedup']}x the shipped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
