@@ -184,7 +184,7 @@ LENGTHS = ([33, 0, 70, 5, 1], [40, 9, 70, 1, 0])
 def check_varlen(backend, dtype, variant):
     q, k, v, cu_q, cu_k = packed(*LENGTHS, 4, 2, 16, 24, dtype)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    kwargs = dict(max_seqlen_q=max(LENGTHS[0]), max_seqlen_k=max(LENGTHS[1]), enable_gqa=True)
+    kwargs = dict(max_seqlen_q=max(LENGTHS[0]), max_seqlen_k=max(LENGTHS[1]))
     grad_of = ALL
     for name, value in variant.items():
         if name == "alibi":
@@ -215,12 +215,11 @@ def test_varlen_lse_layout_and_sequences_never_read_each_other():
     kp[cu_k[2] : cu_k[3]] = float("nan")  # the third sequence's keys
     vp[cu_k[2] : cu_k[3]] = float("nan")
     args = (cu_q, cu_k, max(LENGTHS[0]), max(LENGTHS[1]))
-    out, lse = fusedattn.varlen_attention(q, kp, vp, *args, enable_gqa=True, return_lse=True,
-                                          backend="triton")  # fmt: skip
+    out, lse = fusedattn.varlen_attention(q, kp, vp, *args, return_lse=True, backend="triton")
     others = torch.cat([torch.arange(cu_q[2]), torch.arange(cu_q[3], cu_q[-1])])
     assert torch.isfinite(out[others]).all() and lse.shape == (4, cu_q[-1])
     _, want = reference.varlen_attention(q.double(), k.double(), v.double(), *args,
-                                         enable_gqa=True, return_lse=True)  # fmt: skip
+                                         return_lse=True)  # fmt: skip
     torch.testing.assert_close(lse[:, others], want[:, others], rtol=1e-5, atol=1e-5)
 
 

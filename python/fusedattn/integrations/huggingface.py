@@ -109,13 +109,7 @@ def attention_forward(
     _check_keywords(kwargs)
     # As transformers' SDPA path: the module (or the call) says whether it is a decoder.
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    variants = dict(
-        softcap=float(softcap or 0.0),
-        sinks=s_aux,
-        enable_gqa=query.shape[1] != key.shape[1],
-        scale=scaling,
-        backend=backend,
-    )
+    variants = dict(softcap=float(softcap or 0.0), sinks=s_aux, scale=scaling, backend=backend)
     window = None
     if sliding_window is not None and causal:
         window = (int(sliding_window) - 1, 0)
@@ -133,7 +127,8 @@ def attention_forward(
         causal, window = False, None
     out = attention(
         query, key, value, attention_mask, dropout_p=dropout, is_causal=causal,
-        window_size=window, causal_alignment="bottom_right", **variants,
+        enable_gqa=query.shape[1] != key.shape[1], window_size=window,
+        causal_alignment="bottom_right", **variants,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 

@@ -107,10 +107,11 @@ def _torch_varlen(
 ):  # fmt: skip
     from ..reference.attention import per_sequence  # (reference imports ops: import late)
 
-    kw = {n: kw[n] for n in ("dropout_p", "scale", "enable_gqa", "softcap", "sinks")}
+    kw = {n: kw[n] for n in ("dropout_p", "scale", "softcap", "sinks")}
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, return_lse, backend="torch", **_public_window_args(window), **kw,
+        alibi_slopes, return_lse, backend="torch", enable_gqa=q.shape[1] != k.shape[1],
+        **_public_window_args(window), **kw,
     )  # fmt: skip
 
 
@@ -213,7 +214,6 @@ def varlen_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
-    enable_gqa: bool = False,
     *,
     window_size: tuple[int, int] | None = None,
     softcap: float = 0.0,
@@ -225,7 +225,8 @@ def varlen_attention(
 ):
     """Attention over a packed batch of variable-length sequences, no padding computed.
 
-    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_seqlens_q/k int32
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) (grouped-query attention
+    when Hq is a multiple of Hkv, as in flash-attention); cu_seqlens_q/k int32
     (B + 1,) prefix sums: sequence b is rows cu[b]:cu[b + 1] (cu[0] = 0, cu[B] = total);
     max_seqlen_q/k bound every sequence's length. The kernels trust cu_seqlens and max_seqlen
     (reading them would cost a device sync): as in flash-attention, a cu_seqlens past the
@@ -239,13 +240,13 @@ def varlen_attention(
     q, k, v = cast["q"], cast["k"], cast["v"]
     window = check_varlen_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-        scale, enable_gqa, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
     inputs = dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-        dropout_p=float(dropout_p), scale=scale, enable_gqa=enable_gqa, window=window,
+        dropout_p=float(dropout_p), scale=scale, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
     )  # fmt: skip
     return backends.select("varlen_attention", backend, q.device, inputs).run(**inputs)

@@ -212,7 +212,7 @@ def check_attention_args(
 
 def check_varlen_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-    scale, enable_gqa, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    scale, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
     causal_alignment="top_left",
 ) -> Window:  # fmt: skip
     """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences); returns the
@@ -234,7 +234,7 @@ def check_varlen_args(
         )
     if D == 0 or v.shape[-1] == 0:
         raise ValueError("q, k and v must have a head dim of at least 1")
-    check_heads(Hq, Hkv, enable_gqa)
+    check_heads(Hq, Hkv, True)  # grouped-query attention whenever Hq is a multiple of Hkv
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, cu, dims=1, layout="(B + 1,) prefix sums")
         if cu.dtype != torch.int32:

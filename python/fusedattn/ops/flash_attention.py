@@ -403,8 +403,8 @@ def run(
 
 
 def run_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
-    enable_gqa, window, softcap, alibi_slopes, sinks, return_lse, *, backend,
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, window,
+    softcap, alibi_slopes, sinks, return_lse, *, backend,
 ):  # fmt: skip
     """The `triton` backend of fusedattn.varlen_attention."""
     return _forward(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -110,21 +110,21 @@ def attention(
 
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-    is_causal=False, scale=None, enable_gqa=False, *, window_size=None, softcap=0.0,
-    alibi_slopes=None, sinks=None, causal_alignment="top_left", return_lse=False,
+    is_causal=False, scale=None, *, window_size=None, softcap=0.0, alibi_slopes=None,
+    sinks=None, causal_alignment="top_left", return_lse=False,
 ):  # fmt: skip
     """Packed variable-length attention, one sequence at a time through `attention`; see
     `fusedattn.varlen_attention`. Returns (total_q, Hq, Dv) [, lse (Hq, total_q) fp32]."""
     check_varlen_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-        scale, enable_gqa, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         alibi_slopes, return_lse,
-        dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-        window_size=window_size, softcap=softcap, sinks=sinks, causal_alignment=causal_alignment,
+        dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1], window_size=window_size, softcap=softcap, sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
 
 
