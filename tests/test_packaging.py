@@ -125,6 +125,6 @@ def test_plain_install_compiles_the_extension_on_first_use(sdist, tmp_path):
     code += "print(e.build_info()['ops'], backends.EXTENSION_ORIGIN, e.__file__)"
     built = run(installed_python(code), tmp_path, env)
     assert "compiling the CUDA extension for 8.0" in built
-    assert "['attention', 'layer_norm', 'softmax'] first-use build" in built
+    assert "['attention', 'layer_norm', 'rms_norm', 'softmax'] first-use build" in built
     after = run(installed_python(INFO), tmp_path, env)
     assert "first-use build" in after and str(tmp_path / "cache") in after
