@@ -27,7 +27,7 @@ from pathlib import Path
 
 # (kernel, "BMxBNwWARPSsSTAGES"); the shipped tiles are always measured first
 CANDIDATES = {
-    "fwd": ["128x64w8s3", "128x128w8s2", "128x64w4s3", "64x128w4s3"],
+    "fwd": ["128x128w8s2", "128x64w8s3"],
     "dq": ["128x64w8s3", "128x32w8s2", "64x64w8s2"],
     "dkdv": ["64x128w8s3", "32x128w8s2", "64x64w8s3"],
 }

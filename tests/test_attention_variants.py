@@ -359,3 +359,48 @@ def test_bad_varlen_arguments_get_clear_errors():
             fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k.cpu(), 4, 3, backend=backend)
     with pytest.raises(ValueError, match="B \\+ 1"):
         fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k[:2].cpu(), 4, 4)
+
+
+@kernels
+def test_key_padding_tiles_are_skipped_by_the_valid_key_range(monkeypatch):
+    """The kernels read only the key tiles inside each batch row's [first, end) of non-padding
+    keys (the launcher's valid_key_range). Told a narrower range than the padding mask
+    implies, they compute attention over that range alone: proof that the tiles outside it
+    are skipped rather than masked (masking could not tell the two apart)."""
+    from fusedattn.ops import attention_launch
+
+    _, bn = block_sizes()
+    T = 4 * bn
+    s = AttentionShape(2, 2, 2, T, T, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device(), requires_grad=True)
+    no_padding = torch.zeros(2, T, dtype=torch.bool)
+    told = torch.tensor([[bn, 2 * bn], [0, 3 * bn]], dtype=torch.int32)
+    monkeypatch.setattr(attention_launch, "valid_key_range", lambda kpm: told.to(kpm.device))
+    out = fusedattn.attention(q, k, v, key_padding_mask=no_padding, backend="triton")
+    outside = torch.arange(T)[None, :] < told[:, :1]
+    outside |= torch.arange(T)[None, :] >= told[:, 1:]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference.attention(q64, k64, v64, key_padding_mask=outside.to(q.device))
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(want, (q64, k64, v64), grad.double())
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left", "middle", "all"])
+def test_valid_key_range_of_each_padding_pattern(side):
+    from fusedattn.ops.attention_launch import valid_key_range
+
+    kpm = torch.zeros(1, 10, dtype=torch.bool, device="cpu")
+    if side == "right":
+        kpm[:, 7:] = True
+    elif side == "left":
+        kpm[:, :3] = True
+    elif side == "middle":
+        kpm[:, 4:6] = True  # a hole: the range spans it, the mask hides it
+    else:
+        kpm[:] = True
+    want = {"right": [0, 7], "left": [3, 10], "middle": [0, 10], "all": [10, 0]}[side]
+    assert valid_key_range(kpm).tolist() == [want]

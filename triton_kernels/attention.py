@@ -155,12 +155,18 @@ def _tile_scores(
             keep = keep & (kj >= qi + offset - window_left)
         s = tl.where(keep, s, float("-inf"))
     if HAS_KPM:
-        pad = tl.load(KPM + b * skp_b + kj, mask=kj < k_len, other=1)
+        if POSITIONAL:
+            pad = tl.load(KPM + b * skp_b + kj, mask=kj < k_len, other=1)
+        else:  # interior tiles hold no key past the sequence end
+            pad = tl.load(KPM + b * skp_b + kj)
         s = tl.where(pad == 0, s, float("-inf"))
     if HAS_MASK:
+        in_bounds = qi < q_len  # (a query block may run past the end; a key tile, inside)
+        if POSITIONAL:
+            in_bounds = in_bounds & (kj < k_len)
         m = tl.load(
             MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k,
-            mask=(qi < q_len) & (kj < k_len),
+            mask=in_bounds,
             other=0,
         )
         if MASK_IS_BOOL:
@@ -168,6 +174,24 @@ def _tile_scores(
         else:
             s = s + m.to(tl.float32) * 1.4426950408889634
     return s, t
+
+
+@triton.jit
+def _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM: tl.constexpr,
+              POSITIONAL: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_DV) mask of the value rows to read: inside the head dim, inside the
+    sequence (boundary tiles only: interior tiles are whole), not padding (a padded key never
+    contributes, even a NaN in its value)."""
+    keep = (dv < Dv)[None, :]
+    if POSITIONAL:
+        keep = keep & (cols < k_len)[:, None]
+    if HAS_KPM:
+        if POSITIONAL:
+            pad = tl.load(KPM + b * skp_b + cols, mask=cols < k_len, other=1)
+        else:
+            pad = tl.load(KPM + b * skp_b + cols)
+        keep = keep & (pad == 0)[:, None]
+    return keep
 
 
 @triton.jit
@@ -225,6 +249,22 @@ def _query_range(start_n, q_len, k_len, offset, window_left, window_right,
 
 
 @triton.jit
+def _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b, BLOCK_N: tl.constexpr):
+    """With key padding: the key range cut to [first, end) of the keys that are not padding in
+    batch row b (KV_RANGE, from the launcher), so tiles that hold only padding are never read
+    (a right-padded batch with lengths in [T/2, T] skips a quarter of them). Tiles that are
+    only partly padding keep their key-padding mask."""
+    first = tl.load(KV_RANGE + 2 * b)
+    end = tl.load(KV_RANGE + 2 * b + 1)
+    hi = tl.minimum(hi, end)
+    lo = tl.minimum(tl.maximum(lo, first // BLOCK_N * BLOCK_N), tl.maximum(hi, 0))
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def _grid_block(pid, num_blocks, LONGEST_FIRST: tl.constexpr):
     """(batch*head, block) of a flattened program id: the blocks of one head are adjacent,
     and with LONGEST_FIRST (a right window bound, as causal) the last query blocks, which
@@ -252,9 +292,13 @@ def _fwd_tiles(
 ):  # fmt: skip
     """The online-softmax update of key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
         cols = start_n + tl.arange(0, BLOCK_N)
-        kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None],
-                     mask=(cols < k_len)[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        k_keep = (d < D)[:, None]
+        if POSITIONAL:  # interior tiles are whole: no bounds to check
+            k_keep = k_keep & (cols < k_len)[None, :]
+        kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
+                     other=0.0)  # fmt: skip
         s, _ = _tile_scores(
             _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
             k_len, offset, slope2, scale, softcap, window_left, window_right,
@@ -266,10 +310,7 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_keep = (cols < k_len)[:, None] & (dv < Dv)[None, :]
-        if HAS_KPM:  # a padded key never contributes, even a NaN in its value
-            pad = tl.load(KPM + b * skp_b + cols, mask=cols < k_len, other=1)
-            v_keep = v_keep & (pad == 0)[:, None]
+        v_keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
         v = tl.load(V_head + cols[:, None].to(tl.int64) * sv_t + dv[None, :], mask=v_keep,
                     other=0.0)  # fmt: skip
         if DROPOUT:  # the normaliser l_i keeps the undropped mass
@@ -281,7 +322,7 @@ def _fwd_tiles(
 
 @triton.jit
 def attention_fwd(
-    Q, K, V, Out, LSE, MASK, KPM, SEED, SLOPES, SINKS, CU_Q, CU_K,
+    Q, K, V, Out, LSE, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q, CU_K,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
     H, Tq, Tk, D, Dv, group, num_m_blocks, scale, softcap, window_left, window_right,
@@ -322,6 +363,9 @@ def attention_fwd(
     V_head = V + b * sv_b + hk * sv_h + k_start * sv_t
     lo, mid_lo, mid_hi, hi = _key_range(start_m, q_len, k_len, offset, window_left,
                                         window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
+    if HAS_KPM:
+        lo, mid_lo, mid_hi, hi = _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b,
+                                                     BLOCK_N)  # fmt: skip
     for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
         if part == 0:
             first, last = lo, mid_lo
@@ -362,17 +406,26 @@ def _dkdv_tiles(
     """dk, dv contributions of query tiles [lo, hi), computed transposed (Sᵀ = K·Qᵀ, keys
     along rows) so that Pᵀ and dSᵀ feed the dk/dv products without register transposes."""
     for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)  # loops start on tile boundaries
         rows = start_m + tl.arange(0, BLOCK_M)
-        inb = rows < q_len
         row_ptr = rows.to(tl.int64)
-        qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None],
-                     mask=inb[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-        do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
-                     mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
-        # rows that saw no key (and rows past the end) have lse -inf: p must be exactly 0
-        lse = tl.load(LSE_head + row_ptr, mask=inb, other=float("-inf"))
+        if POSITIONAL:
+            inb = rows < q_len
+            qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None],
+                         mask=inb[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+            do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
+                         mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+            # rows that saw no key (and rows past the end) have lse -inf: p must be exactly 0
+            lse = tl.load(LSE_head + row_ptr, mask=inb, other=float("-inf"))
+            delta = tl.load(DELTA_head + row_ptr, mask=inb, other=0.0)
+        else:  # interior query tiles are whole
+            qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None], mask=(d < D)[:, None],
+                         other=0.0)  # fmt: skip
+            do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
+                         mask=(dv < Dv)[None, :], other=0.0)  # fmt: skip
+            lse = tl.load(LSE_head + row_ptr)
+            delta = tl.load(DELTA_head + row_ptr)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(DELTA_head + row_ptr, mask=inb, other=0.0)
         st, t = _tile_scores(
             _dot(k, qt, PRECISION, DOT_IN_FP32), rows[None, :], cols[:, None], b, h, q_len,
             k_len, offset, slope2, scale, softcap, window_left, window_right,
@@ -396,7 +449,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def attention_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM, SEED, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, KPM, KV_RANGE, SEED, SLOPES, CU_Q, CU_K,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
@@ -435,6 +488,13 @@ def attention_bwd_dkdv(
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _query_range(start_n, q_len, k_len, offset, window_left,
                                           window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
+    if HAS_KPM:  # a key block of padding only: no query tile (dk, dv stay 0)
+        all_padding = (start_n + BLOCK_N <= tl.load(KV_RANGE + 2 * b)) | (
+            start_n >= tl.load(KV_RANGE + 2 * b + 1)
+        )
+        hi = tl.where(all_padding, lo, hi)
+        mid_lo = tl.minimum(mid_lo, hi)
+        mid_hi = tl.minimum(mid_hi, hi)
     for g in range(0, group):
         h = hk * group + g
         bhq = b * H + h
@@ -484,14 +544,14 @@ def _dq_tiles(
     is off by the output's rounding, 5x the rule's bound in bf16). With MASK_GRAD, dS is also
     written into the dense fp32 score-gradient buffer (each element once)."""
     for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ptr = cols[None, :].to(tl.int64)
-        kt = tl.load(K_head + col_ptr * sk_t + d[:, None],
-                     mask=(cols < k_len)[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-        v_keep = (cols < k_len)[None, :] & (dv < Dv)[:, None]
-        if HAS_KPM:
-            pad = tl.load(KPM + b * skp_b + cols, mask=cols < k_len, other=1)
-            v_keep = v_keep & (pad == 0)[None, :]
+        k_keep = (d < D)[:, None]
+        if POSITIONAL:  # interior tiles are whole: no bounds to check
+            k_keep = k_keep & (cols < k_len)[None, :]
+        kt = tl.load(K_head + col_ptr * sk_t + d[:, None], mask=k_keep, other=0.0)
+        v_keep = tl.trans(_key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL))
         vt = tl.load(V_head + col_ptr * sv_t + dv[:, None], mask=v_keep, other=0.0)
         s, t = _tile_scores(
             _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
@@ -518,7 +578,7 @@ def _dq_tiles(
 
 @triton.jit
 def attention_bwd_dq(
-    Q, K, V, Out, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, SEED, SLOPES, CU_Q, CU_K,
+    Q, K, V, Out, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, KV_RANGE, SEED, SLOPES, CU_Q, CU_K,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t,
     sdq_b, sdq_h, sdq_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
@@ -571,6 +631,9 @@ def attention_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(start_m, q_len, k_len, offset, window_left,
                                         window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
+    if HAS_KPM:
+        lo, mid_lo, mid_hi, hi = _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b,
+                                                     BLOCK_N)  # fmt: skip
     if MASK_GRAD:
         delta = tl.zeros([BLOCK_M], dtype=tl.float32)
         for part in tl.static_range(3):

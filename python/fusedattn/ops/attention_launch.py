@@ -23,6 +23,17 @@ def dot_flags(q: torch.Tensor) -> dict:
     )
 
 
+def valid_key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 2) int32 [first, end) of each batch row's keys that are not padding (end <= first
+    when all are): the kernels skip the tiles outside it. A few small device ops, no sync."""
+    T = key_padding_mask.shape[1]
+    index = torch.arange(T, device=key_padding_mask.device, dtype=torch.int32)
+    valid = ~key_padding_mask
+    first = torch.where(valid, index, T).amin(-1)
+    end = torch.where(valid, index + 1, 0).amax(-1)
+    return torch.stack([first, end], dim=-1).to(torch.int32).contiguous()
+
+
 def _mask_args(q, k, attn_mask, key_padding_mask):
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
@@ -69,6 +80,9 @@ class TritonAttentionLaunch:
             self.mask, self.kpm, self.mask_strides, mask_flags = _mask_args(
                 q, k, attn_mask, key_padding_mask
             )
+        self.kv_range = (
+            None if self.kpm is None or self.kpm.numel() == 0 else valid_key_range(self.kpm)
+        )
         self.slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
         self.sinks = None if sinks is None else sinks.contiguous()
         self.cu_q, self.cu_k, self.seed = cu_seqlens_q, cu_seqlens_k, seed
@@ -109,7 +123,8 @@ class TritonAttentionLaunch:
 
     def fwd_args(self, q, k, v, out, lse):
         args = (
-            q, k, v, out, lse, self.mask, self.kpm, self.seed, self.slopes, self.sinks,
+            q, k, v, out, lse, self.mask, self.kpm, self.kv_range, self.seed, self.slopes,
+            self.sinks,
             self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(out), *self.lse_strides, *self.mask_strides, self.alibi_stride,
             self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
@@ -120,7 +135,8 @@ class TritonAttentionLaunch:
 
     def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
         args = (
-            q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.seed, self.slopes,
+            q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.kv_range, self.seed,
+            self.slopes,
             self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(do), *self.strides(dk), *self.strides(dv), *self.lse_strides,
             *self.mask_strides, self.alibi_stride, self.H, self.Hkv, self.Tq, self.Tk, self.D,
@@ -131,7 +147,8 @@ class TritonAttentionLaunch:
 
     def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad):
         args = (
-            q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.seed, self.slopes,
+            q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.kv_range,
+            self.seed, self.slopes,
             self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(out), *self.strides(do), *self.strides(dq), *self.lse_strides,
             *self.mask_strides,
