@@ -35,6 +35,11 @@ def _worker(rank, world, port, swap, out_path):
         ddp(x, src_key_padding_mask=kpm).square().mean().backward()
         if rank == 0:
             torch.save({n: p.grad for n, p in model.named_parameters()}, out_path)
+        # Both ranks done, and DDP's reducer (it holds gloo work handles) gone, before the
+        # group is destroyed: a rank tearing down while gloo's threads still hold work dies
+        # with "terminate called without an active exception" (pytorch/pytorch#179291).
+        dist.barrier()
+        del ddp
     finally:
         dist.destroy_process_group()
 

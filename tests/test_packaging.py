@@ -47,7 +47,10 @@ INFO = "import runpy; sys.argv = ['info', '--extension']; runpy.run_module('fuse
 
 
 def run(cmd, cwd, env=None, timeout=900):
-    env = {**os.environ, "PYTHONNOUSERSITE": "1", **(env or {})}
+    """cmd in a clean build environment: fusedattn's build switches of this process (CI sets
+    FUSEDATTN_FORCE_CUDA_BUILD) do not leak in, only those `env` names."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDATTN_")}
+    env = {**inherited, "PYTHONNOUSERSITE": "1", **(env or {})}
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
