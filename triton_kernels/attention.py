@@ -265,6 +265,21 @@ def _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _part_bounds(part: tl.constexpr, lo, mid_lo, mid_hi, hi):
+    """Tile range of loop part 0 (leading boundary), 1 (interior: no positional mask) or 2
+    (trailing boundary) of a [lo, mid_lo) + [mid_lo, mid_hi) + [mid_hi, hi) split."""
+    first = mid_hi
+    last = hi
+    if part == 0:
+        first = lo
+        last = mid_lo
+    if part == 1:
+        first = mid_lo
+        last = mid_hi
+    return first, last
+
+
+@triton.jit
 def _grid_block(pid, num_blocks, LONGEST_FIRST: tl.constexpr):
     """(batch*head, block) of a flattened program id: the blocks of one head are adjacent,
     and with LONGEST_FIRST (a right window bound, as causal) the last query blocks, which
@@ -367,12 +382,7 @@ def attention_fwd(
         lo, mid_lo, mid_hi, hi = _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b,
                                                      BLOCK_N)  # fmt: skip
     for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
-        if part == 0:
-            first, last = lo, mid_lo
-        elif part == 1:
-            first, last = mid_lo, mid_hi
-        else:
-            first, last = mid_hi, hi
+        first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
             b, h, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
@@ -506,12 +516,7 @@ def attention_bwd_dkdv(
         LSE_head = LSE + b * slse_b + h * slse_h + q_start
         DELTA_head = DELTA + b * slse_b + h * slse_h + q_start
         for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
-            if part == 0:
-                first, last = lo, mid_lo
-            elif part == 1:
-                first, last = mid_lo, mid_hi
-            else:
-                first, last = mid_hi, hi
+            first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
             dk, dv_acc = _dkdv_tiles(
                 dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
                 last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap,
@@ -637,12 +642,7 @@ def attention_bwd_dq(
     if MASK_GRAD:
         delta = tl.zeros([BLOCK_M], dtype=tl.float32)
         for part in tl.static_range(3):
-            if part == 0:
-                first, last = lo, mid_lo
-            elif part == 1:
-                first, last = mid_lo, mid_hi
-            else:
-                first, last = mid_hi, hi
+            first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
             dq, delta = _dq_tiles(
                 dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows,
                 d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
@@ -652,12 +652,7 @@ def attention_bwd_dq(
                 INTERPRETED, BLOCK_N,
             )  # fmt: skip
     for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
-        if part == 0:
-            first, last = lo, mid_lo
-        elif part == 1:
-            first, last = mid_lo, mid_hi
-        else:
-            first, last = mid_hi, hi
+        first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
         dq, delta = _dq_tiles(
             dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows, d,
             dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,

@@ -1,8 +1,8 @@
 // LayerNorm and RMSNorm forward and backward (RMSNorm: p.rms, the mean pass skipped and the
-// mean taken as 0; the backward drops the mean term). One row per warp for rows up to kWarpRowMax elements (four
-// rows per 128-thread block: no shared memory, no __syncthreads), one row per block beyond.
-// Statistics are fp32 and two-pass (mean, then centred variance: no cancellation). Loads are
-// 16-byte vectors when the row length and alignment allow, scalar otherwise. The backward
+// mean taken as 0; the backward drops the mean term). One row per warp for rows up to kWarpRowMax
+// elements (four rows per 128-thread block: no shared memory, no __syncthreads), one row per block
+// beyond. Statistics are fp32 and two-pass (mean, then centred variance: no cancellation). Loads
+// are 16-byte vectors when the row length and alignment allow, scalar otherwise. The backward
 // writes dx per row and fp32 partial dweight/dbias per row group, reduced by a second kernel
 // in group order: deterministic, no atomics.
 //
