@@ -7,6 +7,7 @@ a copy of the working tree and temporary folders: nothing is installed into this
 """
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -56,6 +57,18 @@ def run(cmd, cwd, env=None, timeout=900):
     return done.stdout + done.stderr
 
 
+def install_stamp() -> str:
+    return re.search(r"^INSTALL_STAMP := (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def test_make_keeps_its_stamp_out_of_a_folder_named_like_a_module():
+    """A build/ folder at the root (make's stamp was there) is a namespace package named
+    `build`: where the real `build` is not installed, `python -m build` then fails with
+    "No module named build.__main__" instead of saying build is missing."""
+    top = Path(install_stamp()).parts[0]
+    assert not top.isidentifier(), f"make's stamp folder {top!r} can be imported as a module"
+
+
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory):
     """The sdist of a copy of the working tree (tracked and new, never ignored, files)."""
@@ -68,6 +81,9 @@ def sdist(tmp_path_factory):
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             (src / name).write_bytes((ROOT / name).read_bytes())
+    # the tree as `make` leaves it: with its install stamp
+    (src / install_stamp()).parent.mkdir(parents=True, exist_ok=True)
+    (src / stamp).parent.joinpath("installed-stamp").touch()
     out = tmp_path_factory.mktemp("dist")
     env = {"FUSEDATTN_SKIP_CUDA_BUILD": "1"}
     run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(out)], src, env)
