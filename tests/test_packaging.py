@@ -83,7 +83,7 @@ def sdist(tmp_path_factory):
             (src / name).write_bytes((ROOT / name).read_bytes())
     # the tree as `make` leaves it: with its install stamp
     (src / install_stamp()).parent.mkdir(parents=True, exist_ok=True)
-    (src / stamp).parent.joinpath("installed-stamp").touch()
+    (src / install_stamp()).touch()
     out = tmp_path_factory.mktemp("dist")
     env = {"FUSEDATTN_SKIP_CUDA_BUILD": "1"}
     run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(out)], src, env)
