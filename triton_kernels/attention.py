@@ -195,6 +195,19 @@ def _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM: tl.constexpr,
 
 
 @triton.jit
+def _tile_split(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Rows (or columns) [lo, hi) that see something, of which [full_lo, full_hi) see
+    everything, cut at multiples of BLOCK: -> (lo, mid_lo, mid_hi, hi) with lo a multiple of
+    BLOCK, [mid_lo, mid_hi) the whole tiles inside [full_lo, full_hi), and
+    lo <= mid_lo <= mid_hi <= hi (empty parts when nothing is seen)."""
+    lo = tl.minimum(lo // BLOCK * BLOCK, tl.maximum(hi, 0))
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(tl.maximum(full_hi, 0) // BLOCK * BLOCK, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def _key_range(start_m, q_len, k_len, offset, window_left, window_right,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):  # fmt: skip
@@ -214,11 +227,7 @@ def _key_range(start_m, q_len, k_len, offset, window_left, window_right,
         hi = tl.minimum(p_last + window_right + 1, k_len)
         full_hi = tl.minimum(p_first + window_right + 1, k_len)
     hi = tl.where(start_m < q_len, hi, 0)
-    lo = tl.minimum(lo // BLOCK_N * BLOCK_N, tl.maximum(hi, 0))
-    hi = tl.maximum(hi, lo)
-    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
-    mid_hi = tl.maximum(tl.minimum(tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N, hi), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return _tile_split(lo, full_lo, full_hi, hi, BLOCK_N)
 
 
 @triton.jit
@@ -241,11 +250,7 @@ def _query_range(start_n, q_len, k_len, offset, window_left, window_right,
         full_hi = tl.minimum(start_n + window_left - offset + 1, q_len)
     hi = tl.where(start_n < k_len, hi, 0)
     full_hi = tl.where(start_n + BLOCK_N <= k_len, full_hi, 0)
-    lo = tl.minimum(lo // BLOCK_M * BLOCK_M, tl.maximum(hi, 0))
-    hi = tl.maximum(hi, lo)
-    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo), hi)
-    mid_hi = tl.maximum(tl.minimum(tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M, hi), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return _tile_split(lo, full_lo, full_hi, hi, BLOCK_M)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ def valid_key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     valid = ~key_padding_mask
     first = torch.where(valid, index, T).amin(-1)
     end = torch.where(valid, index + 1, 0).amax(-1)
-    return torch.stack([first, end], dim=-1).to(torch.int32).contiguous()
+    return torch.stack([first, end], dim=-1)  # int32: index is, and T fits
 
 
 def _mask_args(q, k, attn_mask, key_padding_mask):

@@ -124,7 +124,8 @@ def varlen_attention(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         alibi_slopes, return_lse,
         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1], window_size=window_size, softcap=softcap, sinks=sinks, causal_alignment=causal_alignment,
+        enable_gqa=q.shape[1] != k.shape[1], window_size=window_size, softcap=softcap,
+        sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
 
 
