@@ -109,10 +109,21 @@ def test_realistic_sizes_with_padding(shape, causal, dtype):
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
 def test_key_padding_alone(shape, causal):
-    """Key padding without attn_mask or dropout: the fast forward and dQ kernels read it."""
+    """Key padding without attn_mask or dropout: the fast forward, dQ and dK/dV kernels read
+    it (every key tile takes the forward's masked loop)."""
     kpm = torch.rand(shape.B, shape.Tk) < 0.3
     kpm[0, : shape.Tk // 2] = True  # whole key tiles of padding in batch 0
     check(shape, is_causal=causal, key_padding_mask=kpm)
+
+
+@gpu
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_and_negative_scales(scale, causal):
+    """The forward's unmasked loop takes the row max of the raw scores (max(s) * scale), which
+    holds only for scale >= 0: a negative scale sends every tile down the masked loop; zero
+    gives uniform weights. T = 300 has unmasked, diagonal and partial key tiles."""
+    check(AttentionShape(2, 2, 2, 300, 300, 128, 128), is_causal=causal, scale=scale)
 
 
 MASK_SHAPES = [(17, 33), (1, 1, 17, 33), (2, 1, 1, 33), (3, 17, 33), (2, 3, 17, 33), (2, 3, 1, 33)]

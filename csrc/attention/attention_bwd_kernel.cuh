@@ -63,9 +63,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   constexpr int kThreads = Traits::kNThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sdO = sQ + kBlockM * kPitch;
-  T* sK0 = sdO + kBlockM * kPitch;  // [2][kBlockN][kPitch]
-  T* sV0 = sK0 + 2 * kBlockN * kPitch;
+  constexpr uint32_t kTileBytes = kBlockN * kPitch * sizeof(T);
+  const uint32_t sQ_addr = smem_addr(sQ);
+  const uint32_t sdO_addr = sQ_addr + kBlockM * kPitch * sizeof(T);
+  const uint32_t sK0_addr = sdO_addr + kBlockM * kPitch * sizeof(T);  // [2][kBlockN][kPitch]
+  const uint32_t sV0_addr = sK0_addr + 2 * kTileBytes;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int g = lane >> 2, t = lane & 3;
@@ -90,13 +92,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const float scale_log2 = p.scale * kLog2e;
 
-  load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_stride[2], m0, Tq, p.head_dim);
-  load_tile_async<kBlockM, kD, kThreads>(sdO, dout, p.dout_stride[2], m0, Tq, p.head_dim_v);
+  const TileCopy<kBlockN, kD, kThreads, T> k_copy(k, p.k_stride[2], p.head_dim);
+  const TileCopy<kBlockN, kD, kThreads, T> v_copy(v, p.v_stride[2], p.head_dim_v);
+  TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim).load(sQ_addr, m0, Tq);
+  TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v).load(sdO_addr, m0, Tq);
   if (n_blocks > 0) {
-    load_tile_async<kBlockN, kD, kThreads>(sK0, k, p.k_stride[2], 0, Tk, p.head_dim);
-    load_tile_async<kBlockN, kD, kThreads>(sV0, v, p.v_stride[2], 0, Tk, p.head_dim_v);
+    k_copy.load(sK0_addr, 0, Tk);
+    v_copy.load(sV0_addr, 0, Tk);
   }
   cp_async_commit();
+  const uint32_t q_frag =
+      sQ_addr + warp * 16 * kPitch * sizeof(T) + ldmatrix_lane_offset<T, kPitch, true>(lane);
+  const uint32_t do_frag =
+      sdO_addr + warp * 16 * kPitch * sizeof(T) + ldmatrix_lane_offset<T, kPitch, true>(lane);
+  const uint32_t kv_nt_offset = ldmatrix_lane_offset<T, kPitch, false>(lane);
+  const uint32_t k_trans_offset = ldmatrix_lane_offset<T, kPitch, true>(lane);
 
   float lse2[2], delta[2];
 #pragma unroll
@@ -120,14 +130,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     const int nb = step % n_blocks;
     const bool delta_pass = exact_delta && step < n_blocks;
     const int n0 = nb * kBlockN;
-    T* sK = sK0 + (step & 1) * kBlockN * kPitch;
-    T* sV = sV0 + (step & 1) * kBlockN * kPitch;
+    const uint32_t sK = sK0_addr + (step & 1) * kTileBytes;
+    const uint32_t sV = sV0_addr + (step & 1) * kTileBytes;
     if (step + 1 < steps) {  // prefetch the next tile into the other buffer
       const int next_n0 = ((step + 1) % n_blocks) * kBlockN;
-      T* nK = sK0 + ((step + 1) & 1) * kBlockN * kPitch;
-      T* nV = sV0 + ((step + 1) & 1) * kBlockN * kPitch;
-      load_tile_async<kBlockN, kD, kThreads>(nK, k, p.k_stride[2], next_n0, Tk, p.head_dim);
-      load_tile_async<kBlockN, kD, kThreads>(nV, v, p.v_stride[2], next_n0, Tk, p.head_dim_v);
+      const uint32_t next = ((step + 1) & 1) * kTileBytes;
+      k_copy.load(sK0_addr + next, next_n0, Tk);
+      v_copy.load(sV0_addr + next, next_n0, Tk);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -138,12 +147,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     float acc_s[1][kNTiles][4], acc_dp[1][kNTiles][4];
     zero(acc_s);
     zero(acc_dp);
-    gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_s, sQ + warp * 16 * kPitch, sK, lane);
-    gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_dp, sdO + warp * 16 * kPitch, sV, lane);
+    gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_s, q_frag, sK + kv_nt_offset);
+    gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_dp, do_frag, sV + kv_nt_offset);
 
-    const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
-                             (p.is_causal && n0 + kBlockN - 1 > m0);
-    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles>(p, b, n0, lane) : 0u;
+    // Rows past seqlen_q need no mask: lse2 = +inf makes their probabilities 0.
+    const bool tile_masked =
+        any_mask || n0 + kBlockN > Tk || (p.is_causal && n0 + kBlockN - 1 > m0);
+    const HiddenKeys<kNTiles> hidden =
+        tile_masked ? HiddenKeys<kNTiles>(p, b, n0, lane) : HiddenKeys<kNTiles>();
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -152,7 +163,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         const int col = n0 + nt * 8 + 2 * t + (i & 1);
         float s2 = acc_s[0][nt][i] * scale_log2;
         if (tile_masked) {
-          s2 = masked_score<kGeneral>(p, b, h, row, col, (hidden >> (2 * nt + (i & 1))) & 1u, s2);
+          s2 = masked_score<kGeneral>(p, b, h, row, col, hidden(nt, i & 1), s2);
         }
         const float pr = ex2(s2 - lse2[i >> 1]);
         float dp = acc_dp[0][nt][i];
@@ -182,7 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     }
     uint32_t a_ds[1][kNTiles / 2][4];
     to_a_fragments<T, 1, kNTiles>(a_ds, acc_s);
-    gemm_regs_smem<T, 1, kNTiles / 2, kDTiles, kPitch>(acc_dq, a_ds, sK, lane);
+    gemm_regs_smem<T, 1, kNTiles / 2, kDTiles, kPitch>(acc_dq, a_ds, sK + k_trans_offset);
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
 
@@ -207,8 +218,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockN * kPitch;
-  T* sQ0 = sV + kBlockN * kPitch;                                        // [2][kBlockM][kPitch]
-  T* sdO0 = sQ0 + 2 * kBlockM * kPitch;                                  // [2][kBlockM][kPitch]
+  T* sQ0 = sV + kBlockN * kPitch;        // [2][kBlockM][kPitch]
+  T* sdO0 = sQ0 + 2 * kBlockM * kPitch;  // [2][kBlockM][kPitch]
+  constexpr uint32_t kTileBytes = kBlockM * kPitch * sizeof(T);
+  const uint32_t sK_addr = smem_addr(sK), sV_addr = smem_addr(sV);
+  const uint32_t sQ0_addr = smem_addr(sQ0), sdO0_addr = smem_addr(sdO0);
   float* sLse0 = reinterpret_cast<float*>(sdO0 + 2 * kBlockM * kPitch);  // [2][kBlockM]
   float* sDelta0 = sLse0 + 2 * kBlockM;                                  // [2][kBlockM]
 
@@ -222,8 +236,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
-  load_tile_async<kBlockN, kD, kThreads>(sK, k, p.k_stride[2], n0, Tk, p.head_dim);
-  load_tile_async<kBlockN, kD, kThreads>(sV, v, p.v_stride[2], n0, Tk, p.head_dim_v);
+  TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim).load(sK_addr, n0, Tk);
+  TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v).load(sV_addr, n0, Tk);
   cp_async_commit();
 
   // Causal: query blocks wholly above this key block's first key see none of it.
@@ -231,9 +245,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_m = (Tq + kBlockM - 1) / kBlockM;
   const int tiles_per_head = max(0, num_m - m_begin);
   const int tiles = group * tiles_per_head;
-  // Key padding takes this kernel's general variant (needs_general_kv_variant): the
-  // unmasked path keeps no registers for it.
-  const bool any_mask = kGeneral && (p.mask != nullptr || p.key_padding != nullptr);
+  // Key padding is read once per block (this thread's two keys), not per tile.
+  const bool any_mask = p.key_padding != nullptr || (kGeneral && p.mask != nullptr);
   const bool dropout = kGeneral && p.dropout_p > 0.f;
   const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
@@ -245,10 +258,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int m0 = (m_begin + tile % tiles_per_head) * kBlockM;
     const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
     const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
-    load_tile_async<kBlockM, kD, kThreads>(sQ0 + buf * kBlockM * kPitch, q, p.q_stride[2], m0, Tq,
-                                           p.head_dim);
-    load_tile_async<kBlockM, kD, kThreads>(sdO0 + buf * kBlockM * kPitch, dout, p.dout_stride[2],
-                                           m0, Tq, p.head_dim_v);
+    TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim)
+        .load(sQ0_addr + buf * kTileBytes, m0, Tq);
+    TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v)
+        .load(sdO0_addr + buf * kTileBytes, m0, Tq);
     const int64_t stats = (b * p.heads + h) * Tq;
     for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
       const int row = m0 + i;
@@ -263,10 +276,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   zero(acc_dk);
   zero(acc_dv);
   const int key_row0 = n0 + warp * 16;
+  const uint32_t k_frag =
+      sK_addr + warp * 16 * kPitch * sizeof(T) + ldmatrix_lane_offset<T, kPitch, true>(lane);
+  const uint32_t v_frag =
+      sV_addr + warp * 16 * kPitch * sizeof(T) + ldmatrix_lane_offset<T, kPitch, true>(lane);
+  const uint32_t qdo_nt_offset = ldmatrix_lane_offset<T, kPitch, false>(lane);
+  const uint32_t qdo_trans_offset = ldmatrix_lane_offset<T, kPitch, true>(lane);
   // This thread's two keys (rows g and g + 8 of the warp's 16) are the same for every tile.
-  const bool key_hidden_row[2] = {
-      kGeneral ? key_hidden(p, b, key_row0 + g) : key_row0 + g >= Tk,
-      kGeneral ? key_hidden(p, b, key_row0 + g + 8) : key_row0 + g + 8 >= Tk};
+  const bool key_hidden_row[2] = {key_hidden(p, b, key_row0 + g),
+                                  key_hidden(p, b, key_row0 + g + 8)};
   for (int tile = 0; tile < tiles; ++tile) {
     const int buf = tile & 1;
     if (tile + 1 < tiles) {
@@ -278,21 +296,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __syncthreads();  // this tile's Q, dO, lse, delta (and K, V) are visible to all warps
     const int64_t h = hk * group + tile / tiles_per_head;
     const int m0 = (m_begin + tile % tiles_per_head) * kBlockM;
-    const T* sQ = sQ0 + buf * kBlockM * kPitch;
-    const T* sdO = sdO0 + buf * kBlockM * kPitch;
+    const uint32_t sQ = sQ0_addr + buf * kTileBytes;
+    const uint32_t sdO = sdO0_addr + buf * kTileBytes;
     const float* sLse = sLse0 + buf * kBlockM;
     const float* sDelta = sDelta0 + buf * kBlockM;
 
     // Transposed scores: rows are this warp's 16 keys, columns the tile's queries.
     float acc_st[1][kQTiles][4], acc_dpt[1][kQTiles][4];
     zero(acc_st);
-    gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_st, sK + warp * 16 * kPitch, sQ, lane);
+    gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_st, k_frag, sQ + qdo_nt_offset);
     if (kDoDK) {
       zero(acc_dpt);
-      gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_dpt, sV + warp * 16 * kPitch, sdO, lane);
+      gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_dpt, v_frag, sdO + qdo_nt_offset);
     }
-    const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
-                             (p.is_causal && n0 + kBlockN - 1 > m0);
+    // Queries past seqlen_q need no mask: their lse2 = +inf makes their probabilities 0.
+    const bool tile_masked =
+        any_mask || n0 + kBlockN > Tk || (p.is_causal && n0 + kBlockN - 1 > m0);
 #pragma unroll
     for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
@@ -314,11 +333,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     uint32_t a[1][kQTiles / 2][4];
     if (kDoDV) {
       to_a_fragments<T, 1, kQTiles>(a, acc_st);
-      gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dv, a, sdO, lane);
+      gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dv, a, sdO + qdo_trans_offset);
     }
     if (kDoDK) {
       to_a_fragments<T, 1, kQTiles>(a, acc_dpt);
-      gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dk, a, sQ, lane);
+      gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dk, a, sQ + qdo_trans_offset);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }

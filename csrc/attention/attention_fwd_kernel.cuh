@@ -14,17 +14,27 @@
 namespace fusedattn {
 namespace attn {
 
+template <bool kValue>
+struct Flag {
+  static constexpr bool value = kValue;
+};
+
+// The key loop walks the tiles from the last one down, in two parts compiled for their case:
+// the masked tiles first (causal diagonal, sequence end; every tile with key padding, attn_mask
+// or a negative scale), then the unmasked ones, which run no mask code and no branch for it
+// (unmasked_key_tiles in tiling.h). Walking down, every K tile but the first is whole.
 template <typename T, typename Traits, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     attention_fwd_kernel(const AttentionParams p, const int num_m_blocks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kMTiles = Traits::kMTiles, kPitch = Traits::kPitch;
-  constexpr int kNTiles = kBlockN / 8, kDTiles = kD / 8;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kD / 8, kThreads = Traits::kNThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockM * kPitch;
-  T* sV = sK + kBlockN * kPitch;
+  const uint32_t sQ_addr = smem_addr(sQ);
+  const uint32_t sK_addr = sQ_addr + kBlockM * kPitch * sizeof(T);
+  const uint32_t sV_addr = sK_addr + kBlockN * kPitch * sizeof(T);
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t bh = blockIdx.x / num_m_blocks;
@@ -39,20 +49,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  const TileCopy<kBlockN, kD, kThreads, T> k_copy(k, p.k_stride[2], p.head_dim);
+  const TileCopy<kBlockN, kD, kThreads, T> v_copy(v, p.v_stride[2], p.head_dim_v);
 
   // Causal: key tiles right of this block's last query are never visited.
   const int n_end = p.is_causal ? min(Tk, m0 + kBlockM) : Tk;
   const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
   const bool any_mask = p.key_padding != nullptr || (kGeneral && p.mask != nullptr);
+  // A negative scale sends every tile down the masked path: the unmasked one takes the row
+  // max of the raw scores (see key_tile).
+  const int n_unmasked =
+      min(n_blocks, unmasked_key_tiles(m0, Tk, p.is_causal, any_mask || p.scale < 0.f, kBlockN));
   const bool dropout = kGeneral && p.dropout_p > 0.f;
   const uint64_t seed = dropout ? static_cast<uint64_t>(*p.seed) : 0;
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const float scale_log2 = p.scale * kLog2e;
 
-  load_tile_async<kBlockM, kD, Traits::kNThreads>(sQ, q, p.q_stride[2], m0, Tq, p.head_dim);
-  if (n_blocks > 0) {
-    load_tile_async<kBlockN, kD, Traits::kNThreads>(sK, k, p.k_stride[2], 0, Tk, p.head_dim);
-  }
+  TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim).load(sQ_addr, m0, Tq);
+  if (n_blocks > 0) k_copy.load(sK_addr, (n_blocks - 1) * kBlockN, Tk);
   cp_async_commit();
 
   float acc_o[kMTiles][kDTiles][4];
@@ -65,36 +79,58 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   }
   const int warp_row0 = warp * Traits::kWarpRows;  // within the block
   const int g = lane >> 2, t = lane & 3;
+  // This lane's ldmatrix addresses: its warp's Q rows, the K tile, the V tile.
+  const uint32_t q_frag =
+      sQ_addr + warp_row0 * kPitch * sizeof(T) + ldmatrix_lane_offset<T, kPitch, true>(lane);
+  const uint32_t k_frag = sK_addr + ldmatrix_lane_offset<T, kPitch, false>(lane);
+  const uint32_t v_frag = sV_addr + ldmatrix_lane_offset<T, kPitch, true>(lane);
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  auto key_tile = [&](const int nb, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int n0 = nb * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // Q and K tile nb landed; every warp is done with V tile nb-1
-    load_tile_async<kBlockN, kD, Traits::kNThreads>(sV, v, p.v_stride[2], n0, Tk, p.head_dim_v);
+    if (kMasked) {
+      v_copy.load(sV_addr, n0, Tk);
+    } else {
+      v_copy.template load<false>(sV_addr, n0, Tk);  // whole tiles
+    }
     cp_async_commit();
 
     float acc_s[kMTiles][kNTiles][4];
     zero(acc_s);
-    gemm_smem_nt<T, kMTiles, kNTiles, kD, kPitch>(acc_s, sQ + warp_row0 * kPitch, sK, lane);
+    gemm_smem_nt<T, kMTiles, kNTiles, kD, kPitch>(acc_s, q_frag, k_frag);
 
-    const bool tile_masked = any_mask || n0 + kBlockN > Tk || m0 + kBlockM > Tq ||
-                             (p.is_causal && n0 + kBlockN - 1 > m0);
-    const uint32_t hidden = tile_masked ? hidden_key_bits<kNTiles>(p, b, n0, lane) : 0u;
+    if (kMasked) {
+      // Keys at or past `limit` are hidden from a row (sequence end, causal diagonal), and
+      // key padding from every row; the general variant adds attn_mask per element.
+      const HiddenKeys<kNTiles> hidden =
+          p.key_padding ? HiddenKeys<kNTiles>(p, b, n0, lane) : HiddenKeys<kNTiles>();
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float s2 = acc_s[mt][nt][i] * scale_log2;
-          if (tile_masked) {
-            const int row = m0 + warp_row0 + mt * 16 + g + 8 * (i >> 1);
+          const int row = m0 + warp_row0 + mt * 16 + g + 8 * (i >> 1);
+          const int limit = p.is_causal ? min(row + 1, Tk) : Tk;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
             const int col = n0 + nt * 8 + 2 * t + (i & 1);
-            s2 = masked_score<kGeneral>(p, b, h, row, col, (hidden >> (2 * nt + (i & 1))) & 1u, s2);
+            const bool hide = col >= limit || hidden(nt, i & 1);
+            const float s2 = acc_s[mt][nt][i] * scale_log2;
+            // masked_score reads attn_mask only for keys not hidden (never past seqlen_k).
+            acc_s[mt][nt][i] = kGeneral ? masked_score<true>(p, b, h, row, col, hide, s2)
+                                        : (hide ? -INFINITY : s2);
           }
-          acc_s[mt][nt][i] = s2;
         }
-      }
+    }  // unmasked tiles keep raw scores: the scale folds into the softmax's FFMA below
+
+    // The next K tile's copy is issued before the softmax, so it lands behind this tile's
+    // softmax and P V instead of behind P V alone.
+    cp_async_wait<0>();
+    __syncthreads();  // V tile nb landed; every warp is done with K tile nb
+    if (nb > 0) {
+      k_copy.template load<false>(sK_addr, n0 - kBlockN, Tk);  // tiles before nb are whole
+      cp_async_commit();
     }
 
     // Online softmax: rescale the running output by 2^(old max - new max).
@@ -102,12 +138,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float mx = row_max[mt][half];
+        float tile_max = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
+          tile_max = fmaxf(tile_max, fmaxf(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
         }
-        mx = quad_max(mx);
+        tile_max = quad_max(tile_max);
+        // Unmasked tiles: max(s * scale) = max(s) * scale, as scale >= 0 there.
+        const float mx = fmaxf(row_max[mt][half], kMasked ? tile_max : tile_max * scale_log2);
         const float m_safe = mx == -INFINITY ? 0.f : mx;  // a row that has seen no key yet
         const float alpha = ex2(row_max[mt][half] - m_safe);
         row_max[mt][half] = mx;
@@ -116,7 +154,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float pr = ex2(acc_s[mt][nt][2 * half + j] - m_safe);
+            const float s = acc_s[mt][nt][2 * half + j];
+            const float pr = ex2(kMasked ? s - m_safe : fmaf(s, scale_log2, -m_safe));
             acc_s[mt][nt][2 * half + j] = pr;
             sum += pr;
           }
@@ -145,16 +184,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 
     uint32_t a_p[kMTiles][kNTiles / 2][4];
     to_a_fragments<T, kMTiles, kNTiles>(a_p, acc_s);
+    gemm_regs_smem<T, kMTiles, kNTiles / 2, kDTiles, kPitch>(acc_o, a_p, v_frag);
+  };
 
-    cp_async_wait<0>();
-    __syncthreads();  // V tile nb landed; every warp is done with K tile nb
-    if (nb + 1 < n_blocks) {
-      load_tile_async<kBlockN, kD, Traits::kNThreads>(sK, k, p.k_stride[2], n0 + kBlockN, Tk,
-                                                      p.head_dim);
-      cp_async_commit();
-    }
-    gemm_regs_smem<T, kMTiles, kNTiles / 2, kDTiles, kPitch>(acc_o, a_p, sV, lane);
-  }
+  int nb = n_blocks - 1;
+  for (; nb >= n_unmasked; --nb) key_tile(nb, Flag<true>());
+  for (; nb >= 0; --nb) key_tile(nb, Flag<false>());
 
   // Normalise, write lse, and stage O through this warp's own Q rows for 16-byte stores.
   cp_async_wait<0>();  // with no key tile at all, the Q copy may still be in flight

@@ -18,6 +18,21 @@
 // ncu (forward): 8 warps per SM, tensor pipe 41 % busy, the top stall a fixed-latency
 // dependency: latency-bound at this occupancy, which tile shapes alone did not fix.
 // Shared memory at D = 256 is 135 KB per block: within sm_80's 163 KB and sm_90's 227 KB.
+//
+// Static screen for sm_90a (issue #13; scripts/static_cuda_attention.py, nvcc 13.0, bf16; SASS
+// instructions per key-loop iteration per warp, benchmarks/results/sm90-static/). The timings
+// above predate these changes; they were issue-bound, not latency-bound, per this screen:
+//   forward D=128  one loop, run-time mask branch: 1983 (862 integer), 32 B spills.
+//                  Now: per-thread copy offsets computed once (TileCopy), ldmatrix lane
+//                  addresses hoisted, tiles walked from the last one down with the masked
+//                  ones in their own loop, the scale folded into the exp2's FFMA, the next K
+//                  copy issued before the softmax: unmasked loop 935 (80 integer; FA2 with the
+//                  same tile: 908), masked loop 1368. Spills 108 B (row sums and two
+//                  pointers, ~12 local loads/stores per unmasked iteration): the tile sits at
+//                  255 registers; the 128x32 and 8-warp 128x64 tuning variants do not spill.
+//            D=64  1748 -> 627 unmasked, no spills.
+//   dK/dV  D=128   1520 -> 1264, spills 8 B -> none; key padding now on this fast path.
+//   dQ     D=128   1406 -> 972, no spills.
 #pragma once
 
 #include <cstdint>
@@ -210,7 +225,7 @@ void run_attention_backward(const AttentionParams& p, cudaStream_t stream) {
   FUSEDATTN_LAUNCH_CHECK();
   BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,
               [&] { launch_dq_policy<T, kHeadDim, kGeneral>(p, stream); });
-  BOOL_SWITCH(attn::needs_general_kv_variant(p), kGeneral,
+  BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,
               [&] { launch_dkdv_policy<T, kHeadDim, kGeneral>(p, stream); });
 }
 

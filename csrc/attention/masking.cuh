@@ -18,34 +18,40 @@ __device__ __forceinline__ bool key_hidden(const AttentionParams& p, int64_t b, 
   return p.key_padding && p.key_padding[b * p.key_padding_stride + k];
 }
 
-// The key_hidden bits of a thread's columns in a C-fragment tile starting at key n0: bit
-// 2 * nt + j for key n0 + 8 * nt + 2 * (lane % 4) + j. Read once per tile, not once per row.
+// Which of a thread's key columns in a C-fragment tile starting at key n0 are hidden:
+// hidden(nt, j) for key n0 + 8 * nt + 2 * (lane % 4) + j. Each lane reads one key per 32 (a
+// coalesced byte per lane), a warp ballot shares the words, and a lane keeps them shifted to
+// its own columns. The whole warp must call it. Reading the 16 keys of a thread one by one
+// kept 16 loads in flight across the S GEMM in the forward's masked loop, and spilled.
 template <int kNTiles>
-__device__ __forceinline__ uint32_t hidden_key_bits(const AttentionParams& p, int64_t b, int n0,
-                                                    int lane) {
-  static_assert(kNTiles * 2 <= 32, "one bit per column");
-  uint32_t bits = 0;
+struct HiddenKeys {
+  static_assert(kNTiles % 4 == 0, "whole 32-key words");
+  uint32_t word[kNTiles / 4] = {};  // bit 8 * (nt % 4) + j of word[nt / 4]
+
+  HiddenKeys() = default;  // nothing hidden
+
+  __device__ __forceinline__ HiddenKeys(const AttentionParams& p, int64_t b, int n0, int lane) {
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (key_hidden(p, b, n0 + nt * 8 + 2 * (lane & 3) + j)) {
-        bits |= 1u << (2 * nt + j);
-      }
+    for (int w = 0; w < kNTiles / 4; ++w) {
+      const uint32_t all = __ballot_sync(0xffffffffu, key_hidden(p, b, n0 + 32 * w + lane));
+      word[w] = all >> (2 * (lane & 3));
     }
   }
-  return bits;
-}
+  __device__ __forceinline__ bool operator()(int nt, int j) const {
+    return (word[nt / 4] >> (8 * (nt % 4) + j)) & 1u;
+  }
+};
 
 // Scaled score in the log2 domain (s2 = q.k * scale * log2 e) of query `q`, key `k` of head
-// (b, h) with every mask applied: -inf where the key is hidden (`hidden`: see key_hidden),
-// past the query end or right of the causal diagonal; plus the float mask (times log2 e).
-// kUserMasks: the general variant, which reads attn_mask.
+// (b, h) with every mask applied: -inf where the key is hidden (`hidden`: see key_hidden) or
+// right of the causal diagonal; plus the float mask (times log2 e). Queries past seqlen_q are
+// not masked (their rows are zeros, never written, and have lse = +inf in the backward); the
+// mask is not read for them. kUserMasks: the general variant, which reads attn_mask.
 template <bool kUserMasks>
 __device__ __forceinline__ float masked_score(const AttentionParams& p, int64_t b, int64_t h, int q,
                                               int k, bool hidden, float s2) {
-  if (hidden || q >= p.seqlen_q || (p.is_causal && k > q)) return -INFINITY;
-  if (kUserMasks && p.mask) {
+  if (hidden || (p.is_causal && k > q)) return -INFINITY;
+  if (kUserMasks && p.mask && q < p.seqlen_q) {
     const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] +
                         static_cast<int64_t>(q) * p.mask_stride[2] +
                         static_cast<int64_t>(k) * p.mask_stride[3];
@@ -59,18 +65,12 @@ __device__ __forceinline__ float masked_score(const AttentionParams& p, int64_t 
 }
 
 // Whether a call needs the kernels' general variant: an attn_mask (read per element) or dropout
-// (a Philox draw per element). Key padding alone takes the fast variant: on the H200 the
-// general variant ran B=4 H=16 T=4096 D=128 with key padding at 89 TFLOP/s forward against 275
-// without a mask.
+// (a Philox draw per element). Key padding alone takes the fast variant of all three kernels:
+// on the H200 the general variant ran B=4 H=16 T=4096 D=128 with key padding at 89 TFLOP/s
+// forward against 275 without a mask. (The dK/dV kernel joined them when its loop stopped
+// spilling, issue #13: it reads a thread's two keys' padding once per block.)
 inline bool needs_general_variant(const AttentionParams& p) {
   return p.mask != nullptr || p.dropout_p > 0.f;
-}
-
-// The dK/dV kernel reads key padding only in its general variant: its unmasked path is at the
-// register limit (D = 128: 255 registers; reading padding there took its spills from 8 to 64
-// bytes).
-inline bool needs_general_kv_variant(const AttentionParams& p) {
-  return needs_general_variant(p) || p.key_padding != nullptr;
 }
 
 // Philox-4x32-10, first output word, for counter (offset_lo, offset_hi, 0, 0) and key (seed_lo,

@@ -20,6 +20,8 @@
 
 #include <cstdint>
 
+#include "attention/tiling.h"
+
 namespace fusedattn {
 namespace attn {
 
@@ -31,9 +33,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows/columns out of range).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+// 16-byte global -> shared copy to a shared-space address; src_bytes = 0 reads nothing and
+// writes zeros (rows/columns out of range), so `src` may then point anywhere.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
                : "memory");
 }
@@ -45,17 +48,26 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+// ldmatrix on shared-space addresses: the kernels compute a lane's address once and pass
+// base + a compile-time offset, which ptxas folds into the instruction's immediate.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
+               : "r"(addr)
                : "memory");
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
+               : "r"(addr)
                : "memory");
+}
+
+// A lane's byte offset into a padded row-major tile for an ldmatrix.x4 (see tiling.h).
+template <typename T, int kPitch, bool kFragA>
+__device__ __forceinline__ uint32_t ldmatrix_lane_offset(int lane) {
+  return static_cast<uint32_t>((ldmatrix_row<kFragA>(lane) * kPitch + ldmatrix_col<kFragA>(lane)) *
+                               sizeof(T));
 }
 
 template <typename T>
@@ -111,46 +123,98 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Copy rows [row0, row0 + kRows) x columns [0, kCols) of a row-major global tile into padded
-// shared memory with cp.async, 16 bytes per thread and step; rows >= row_end and columns >=
-// col_end (a multiple of 8) are zero-filled. Offsets are 64-bit.
+// Copies kRows x kCols tiles of a row-major global tensor into padded shared memory with
+// cp.async, 16 bytes per thread and step; rows >= row_end and columns >= col_end (a multiple
+// of 8) are zero-filled. What depends on the thread alone is computed once, at construction:
+// its row and column in the tile, its shared-memory offset, its global pointer and whether its
+// column is in range. A tile then costs one 64-bit offset, and per step a 64-bit add and a
+// shared offset folded into the instruction; rows are checked only for a tile that crosses
+// row_end (kCheckRows). Before this, every 16-byte chunk of every tile recomputed a 64-bit
+// address and a row-and-column predicate (issue #13).
+//
+// The thread-to-chunk layout is CopyLayout's (tiling.h).
 template <int kRows, int kCols, int kThreads, typename T>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride,
-                                                int row0, int row_end, int col_end) {
-  constexpr int kChunksPerRow = kCols / 8;
-  constexpr int kPitch = kCols + 8;
-#pragma unroll
-  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
-    const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const bool valid = row0 + r < row_end && col < col_end;
-    const T* src = valid ? gmem + static_cast<int64_t>(row0 + r) * row_stride + col : gmem;
-    cp_async_16(smem + r * kPitch + col, src, valid ? 16 : 0);
+struct TileCopy {
+  using Layout = CopyLayout<kRows, kCols, kThreads>;
+  static constexpr int kChunksPerRow = Layout::kChunksPerRow;
+  static constexpr int kPitch = Layout::kPitch;
+  static constexpr bool kFixedColumn = Layout::kFixedColumn;
+  static constexpr int kRowsPerStep = Layout::kRowsPerStep;
+  static constexpr int kSteps = Layout::kSteps;
+
+  const T* gmem;  // kFixedColumn: row 0 of the tensor at this thread's column; else row 0
+  int64_t row_stride;
+  uint32_t smem_offset;  // bytes from the tile's start to this thread's first chunk
+  int row;               // this thread's row in the tile at step 0
+  int src_bytes;         // kFixedColumn: 16, or 0 where this thread's column is past col_end;
+                         // otherwise col_end itself
+
+  __device__ __forceinline__ TileCopy(const T* gmem_, int64_t row_stride_, int col_end)
+      : row_stride(row_stride_) {
+    const int col = Layout::col(threadIdx.x);
+    row = Layout::row(threadIdx.x);
+    gmem = kFixedColumn ? gmem_ + col : gmem_;
+    smem_offset = static_cast<uint32_t>((row * kPitch + col) * sizeof(T));
+    src_bytes = kFixedColumn ? (col < col_end ? 16 : 0) : col_end;
   }
-}
+
+  // Rows [row0, row0 + kRows) into the tile at shared address `tile`.
+  template <bool kCheckRows>
+  __device__ __forceinline__ void load(uint32_t tile, int row0, int row_end) const {
+    if constexpr (kFixedColumn) {
+      const T* src = gmem + static_cast<int64_t>(row0 + row) * row_stride;
+      const uint32_t dst = tile + smem_offset;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const bool in_rows = !kCheckRows || row0 + row + s * kRowsPerStep < row_end;
+        cp_async_16(dst + s * kRowsPerStep * kPitch * sizeof(T), src, in_rows ? src_bytes : 0);
+        src += row_stride * kRowsPerStep;
+      }
+    } else {
+      const int col_end = src_bytes;
+#pragma unroll
+      for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+        const int r = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * 8;
+        const bool valid = (!kCheckRows || row0 + r < row_end) && col < col_end;
+        const T* src = gmem + static_cast<int64_t>(row0 + r) * row_stride + col;
+        cp_async_16(tile + (r * kPitch + col) * sizeof(T), valid ? src : gmem, valid ? 16 : 0);
+      }
+    }
+  }
+  // Checks rows only for a tile that crosses row_end (one uniform branch).
+  __device__ __forceinline__ void load(uint32_t tile, int row0, int row_end) const {
+    if (row0 + kRows <= row_end) {
+      load<false>(tile, row0, row_end);
+    } else {
+      load<true>(tile, row0, row_end);
+    }
+  }
+};
 
 // acc[mt][nt] += A[rows of m-tile mt] * B^T[cols of n-tile nt] over kK: A (16*kMTiles x kK)
 // and B (8*kNTiles x kK) both row-major in padded shared memory (S = Q K^T, dP = dO V^T).
+// a, b: the tiles' shared addresses plus ldmatrix_lane_offset<.., true> (a) and <.., false> (b).
 template <typename T, int kMTiles, int kNTiles, int kK, int kPitch>
-__device__ __forceinline__ void gemm_smem_nt(float (&acc)[kMTiles][kNTiles][4], const T* sA,
-                                             const T* sB, int lane) {
+__device__ __forceinline__ void gemm_smem_nt(float (&acc)[kMTiles][kNTiles][4], uint32_t a,
+                                             uint32_t b) {
   static_assert(kNTiles % 2 == 0 && kK % 16 == 0, "tiles come in pairs of 8 columns");
+  constexpr int kElem = sizeof(T);
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
-    uint32_t a[kMTiles][4];
+    uint32_t af[kMTiles][4];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      ldmatrix_x4(a[mt], sA + (mt * 16 + (lane & 15)) * kPitch + ks * 16 + (lane >> 4) * 8);
+      ldmatrix_x4(af[mt], a + (mt * 16 * kPitch + ks * 16) * kElem);
     }
 #pragma unroll
     for (int nt = 0; nt < kNTiles; nt += 2) {
-      uint32_t b[4];
-      ldmatrix_x4(b, sB + (nt * 8 + (lane & 7) + ((lane >> 4) << 3)) * kPitch + ks * 16 +
-                         ((lane >> 3) & 1) * 8);
+      uint32_t bf[4];
+      ldmatrix_x4(bf, b + (nt * 8 * kPitch + ks * 16) * kElem);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        mma_16816<T>(acc[mt][nt], a[mt], b[0], b[1]);
-        mma_16816<T>(acc[mt][nt + 1], a[mt], b[2], b[3]);
+        mma_16816<T>(acc[mt][nt], af[mt], bf[0], bf[1]);
+        mma_16816<T>(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
       }
     }
   }
@@ -158,21 +222,23 @@ __device__ __forceinline__ void gemm_smem_nt(float (&acc)[kMTiles][kNTiles][4], 
 
 // acc[mt][nt] += A * B with A in registers (A fragments over kKSteps steps of 16) and B
 // (16*kKSteps x 8*kNTiles) row-major in padded shared memory: O += P V, dQ += dS K, ...
+// b: the tile's shared address plus ldmatrix_lane_offset<.., true>.
 template <typename T, int kMTiles, int kKSteps, int kNTiles, int kPitch>
 __device__ __forceinline__ void gemm_regs_smem(float (&acc)[kMTiles][kNTiles][4],
                                                const uint32_t (&a)[kMTiles][kKSteps][4],
-                                               const T* sB, int lane) {
+                                               uint32_t b) {
   static_assert(kNTiles % 2 == 0, "tiles come in pairs of 8 columns");
+  constexpr int kElem = sizeof(T);
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; nt += 2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sB + (ks * 16 + (lane & 15)) * kPitch + nt * 8 + (lane >> 4) * 8);
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, b + (ks * 16 * kPitch + nt * 8) * kElem);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        mma_16816<T>(acc[mt][nt], a[mt][ks], b[0], b[1]);
-        mma_16816<T>(acc[mt][nt + 1], a[mt][ks], b[2], b[3]);
+        mma_16816<T>(acc[mt][nt], a[mt][ks], bf[0], bf[1]);
+        mma_16816<T>(acc[mt][nt + 1], a[mt][ks], bf[2], bf[3]);
       }
     }
   }

@@ -1,0 +1,67 @@
+// Index arithmetic of the attention kernels that does not touch a GPU: which thread copies
+// which 16-byte chunk of a tile, which rows a lane hands to ldmatrix, and which key tiles need
+// no mask. Plain C++ (host and device), so tests/test_cuda_tiling.py compiles it with the host
+// compiler and checks it on every shape the kernels instantiate: on a machine without a GPU
+// this is the part of the kernels that can be run.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FUSEDATTN_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FUSEDATTN_HOST_DEVICE inline
+#endif
+
+namespace fusedattn {
+namespace attn {
+
+// A block of kThreads copies a kRows x kCols tile (row-major, rows padded to kCols + 8
+// elements in shared memory) in 16-byte chunks of 8 elements. kFixedColumn: the threads cover
+// whole rows (kCols / 8 divides kThreads), so thread `tid` keeps column col(tid) and copies
+// rows row(tid) + s * kRowsPerStep for s < kSteps. Otherwise (head dim 96: 12 chunks per row
+// over 128 threads) chunk c = tid + s * kThreads sits at row c / kChunksPerRow.
+template <int kRows, int kCols, int kThreads>
+struct CopyLayout {
+  static constexpr int kChunksPerRow = kCols / 8;
+  static constexpr int kPitch = kCols + 8;
+  static constexpr bool kFixedColumn =
+      kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0;
+  static constexpr int kRowsPerStep = kFixedColumn ? kThreads / kChunksPerRow : 1;
+  static constexpr int kSteps = kFixedColumn ? kRows / kRowsPerStep : 0;
+  static_assert(kCols % 8 == 0, "16-byte chunks");
+
+  static FUSEDATTN_HOST_DEVICE int row(int tid) { return tid / kChunksPerRow; }
+  static FUSEDATTN_HOST_DEVICE int col(int tid) { return (tid % kChunksPerRow) * 8; }
+};
+
+// The row and column (elements) of a padded row-major tile whose address lane `lane` hands to
+// an ldmatrix.x4, for the two patterns the GEMMs use (PTX ISA: lanes 8i..8i+7 give the row
+// addresses of 8x8 matrix i, which lands in register i).
+//   kFragA: a 16x16 block as an mma A fragment, a0..a3 = rows 0-7 / 8-15 at k 0, then rows
+//     0-7 / 8-15 at k 8; with .trans the same addresses give a 16(k) x 16(n) block of B.
+//   otherwise: two n8 x k16 B operands (rows = n): b0, b1 of n rows 0-7 at k 0 and k 8, then
+//     b0, b1 of n rows 8-15.
+template <bool kFragA>
+FUSEDATTN_HOST_DEVICE int ldmatrix_row(int lane) {
+  return kFragA ? (lane & 15) : (lane & 7) + ((lane >> 4) << 3);
+}
+template <bool kFragA>
+FUSEDATTN_HOST_DEVICE int ldmatrix_col(int lane) {
+  return kFragA ? (lane >> 4) * 8 : ((lane >> 3) & 1) * 8;
+}
+
+// Forward key tiles [0, n) that need no mask for the query block starting at m0: tiles wholly
+// inside seqlen_k and, when causal (key j visible to query i iff j <= i), wholly at or left of
+// the block's first query; none when any mask is given. Rows past seqlen_q are not masked:
+// their Q rows are zeros, their scores finite, and nothing of them is written.
+FUSEDATTN_HOST_DEVICE int unmasked_key_tiles(int m0, int seqlen_k, bool is_causal, bool any_mask,
+                                             int block_n) {
+  if (any_mask) return 0;
+  const int whole = seqlen_k / block_n;
+  const int left_of_diagonal = (m0 + 1) / block_n;
+  return is_causal && left_of_diagonal < whole ? left_of_diagonal : whole;
+}
+
+}  // namespace attn
+}  // namespace fusedattn

@@ -1,0 +1,113 @@
+// Host-side check of the CUDA attention kernels' index arithmetic (csrc/attention/tiling.h),
+// built and run by tests/test_cuda_tiling.py with the host C++ compiler: no GPU, no nvcc.
+// Prints one line per failure and exits non-zero if there was any.
+#include <cstdio>
+#include <vector>
+
+#include "attention/tiling.h"
+
+using namespace fusedattn::attn;
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                 \
+  do {                                   \
+    if (!(cond)) {                       \
+      ++failures;                        \
+      if (failures <= 20) {              \
+        std::printf("FAIL %s: ", #cond); \
+        std::printf(__VA_ARGS__);        \
+        std::printf("\n");               \
+      }                                  \
+    }                                    \
+  } while (0)
+
+// Every 16-byte chunk of a kRows x kCols tile is copied exactly once, to shared offset
+// row * kPitch + col, by the thread and step the layout says.
+template <int kRows, int kCols, int kThreads>
+static void check_copy_layout() {
+  using L = CopyLayout<kRows, kCols, kThreads>;
+  std::vector<int> hits(kRows * L::kChunksPerRow, 0);
+  if (L::kFixedColumn) {
+    CHECK(L::kSteps * kThreads == kRows * L::kChunksPerRow, "%dx%d/%d", kRows, kCols, kThreads);
+    for (int tid = 0; tid < kThreads; ++tid) {
+      const int col = L::col(tid);
+      CHECK(col % 8 == 0 && col < kCols, "col %d of tid %d", col, tid);
+      for (int s = 0; s < L::kSteps; ++s) {
+        const int row = L::row(tid) + s * L::kRowsPerStep;
+        CHECK(row < kRows, "%dx%d/%d: tid %d step %d row %d", kRows, kCols, kThreads, tid, s, row);
+        if (row < kRows) ++hits[row * L::kChunksPerRow + col / 8];
+      }
+    }
+  } else {
+    for (int c = 0; c < kRows * L::kChunksPerRow; ++c) ++hits[c];
+  }
+  for (size_t i = 0; i < hits.size(); ++i) {
+    CHECK(hits[i] == 1, "%dx%d/%d: chunk %zu copied %d times", kRows, kCols, kThreads, i, hits[i]);
+  }
+}
+
+template <int kCols>
+static void check_copy_layouts_for_cols() {
+  check_copy_layout<32, kCols, 128>();
+  check_copy_layout<64, kCols, 128>();
+  check_copy_layout<128, kCols, 128>();
+  check_copy_layout<32, kCols, 256>();
+  check_copy_layout<64, kCols, 256>();
+  check_copy_layout<128, kCols, 256>();
+}
+
+// The ldmatrix.x4 row addresses: lanes 8i..8i+7 give rows 0..7 of 8x8 matrix i, and matrix i
+// must be the one the mma.m16n8k16 fragment expects in register i (PTX ISA fragment layouts).
+static void check_ldmatrix_patterns() {
+  for (int lane = 0; lane < 32; ++lane) {
+    const int matrix = lane / 8, r = lane % 8;
+    // A fragment a0..a3: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (8-15, 8-15)
+    CHECK(ldmatrix_row<true>(lane) == (matrix % 2) * 8 + r, "A row of lane %d", lane);
+    CHECK(ldmatrix_col<true>(lane) == (matrix / 2) * 8, "A col of lane %d", lane);
+    // B operands of two n-tiles: b0, b1 of n 0-7 (k 0-7, k 8-15), then b0, b1 of n 8-15
+    CHECK(ldmatrix_row<false>(lane) == (matrix / 2) * 8 + r, "B row of lane %d", lane);
+    CHECK(ldmatrix_col<false>(lane) == (matrix % 2) * 8, "B col of lane %d", lane);
+  }
+}
+
+// unmasked_key_tiles is sound (every key of every tile it calls unmasked is inside seqlen_k and,
+// when causal, at or left of every query of the block) and tight (the next tile is not).
+static void check_unmasked_key_tiles() {
+  for (int block_n : {32, 64}) {
+    for (int block_m : {64, 128}) {
+      for (int seqlen_k = 0; seqlen_k <= 300; ++seqlen_k) {
+        for (int m0 = 0; m0 <= 400; m0 += block_m) {
+          for (int causal = 0; causal < 2; ++causal) {
+            CHECK(unmasked_key_tiles(m0, seqlen_k, causal, true, block_n) == 0, "any_mask");
+            const int n = unmasked_key_tiles(m0, seqlen_k, causal, false, block_n);
+            auto tile_unmasked = [&](int nb) {
+              for (int key = nb * block_n; key < (nb + 1) * block_n; ++key) {
+                if (key >= seqlen_k || (causal && key > m0)) return false;
+              }
+              return true;
+            };
+            for (int nb = 0; nb < n; ++nb) {
+              CHECK(tile_unmasked(nb), "tile %d of Tk=%d m0=%d causal=%d bn=%d", nb, seqlen_k, m0,
+                    causal, block_n);
+            }
+            CHECK(!tile_unmasked(n), "tile %d after the unmasked ones, Tk=%d m0=%d causal=%d bn=%d",
+                  n, seqlen_k, m0, causal, block_n);
+          }
+        }
+      }
+    }
+  }
+}
+
+int main() {
+  check_copy_layouts_for_cols<32>();
+  check_copy_layouts_for_cols<64>();
+  check_copy_layouts_for_cols<96>();
+  check_copy_layouts_for_cols<128>();
+  check_copy_layouts_for_cols<256>();
+  check_ldmatrix_patterns();
+  check_unmasked_key_tiles();
+  std::printf("%d failures\n", failures);
+  return failures == 0 ? 0 : 1;
+}
