@@ -3,22 +3,22 @@
 Keys: (mode, *bucket) with the buckets of fusedattn.ops.auto; values: backends fastest
 first."""
 
-SOURCE = 'benchmarks/results/h200 (2026-11-26), margin 3%, excluded as stale: fusedattn-triton (attention); 4 keys put a fusedattn kernel ahead of torch'
+SOURCE = 'benchmarks/results/h200 (2026-11-26), margin 3%, excluded as stale: fusedattn-cuda (attention), fusedattn-triton (attention); 0 keys put a fusedattn kernel ahead of torch'
 
 TABLE = {'sm_90': {'attention': {('fwd', 'bfloat16', 64, False, 'key_padding', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 64, False, 'key_padding', '<=4k'): ('torch',),
                          ('fwd', 'bfloat16', 64, False, 'none', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 64, False, 'none', '<=4k'): ('torch',),
-                         ('fwd', 'bfloat16', 64, True, 'key_padding', '<=1k'): ('cuda', 'torch'),
-                         ('fwd', 'bfloat16', 64, True, 'key_padding', '<=4k'): ('cuda', 'torch'),
+                         ('fwd', 'bfloat16', 64, True, 'key_padding', '<=1k'): ('torch',),
+                         ('fwd', 'bfloat16', 64, True, 'key_padding', '<=4k'): ('torch',),
                          ('fwd', 'bfloat16', 64, True, 'none', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 64, True, 'none', '<=4k'): ('torch',),
                          ('fwd', 'bfloat16', 128, False, 'key_padding', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 128, False, 'key_padding', '<=4k'): ('torch',),
                          ('fwd', 'bfloat16', 128, False, 'none', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 128, False, 'none', '<=4k'): ('torch',),
-                         ('fwd', 'bfloat16', 128, True, 'key_padding', '<=1k'): ('cuda', 'torch'),
-                         ('fwd', 'bfloat16', 128, True, 'key_padding', '<=4k'): ('cuda', 'torch'),
+                         ('fwd', 'bfloat16', 128, True, 'key_padding', '<=1k'): ('torch',),
+                         ('fwd', 'bfloat16', 128, True, 'key_padding', '<=4k'): ('torch',),
                          ('fwd', 'bfloat16', 128, True, 'none', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 128, True, 'none', '<=4k'): ('torch',),
                          ('fwd+bwd', 'bfloat16', 64, False, 'key_padding', '<=1k'): ('torch',),
