@@ -100,6 +100,37 @@ static void check_unmasked_key_tiles() {
   }
 }
 
+// masked_query_tiles: the dK/dV kernel's query tiles that need masks are exactly a leading run
+// of the given length, per the kernel's own condition for a tile.
+static void check_masked_query_tiles() {
+  for (int block_n : {32, 64, 128}) {
+    for (int block_m : {32, 64}) {
+      for (int n0 = 0; n0 <= 320; n0 += block_n) {
+        for (int seqlen_k = n0 + 1; seqlen_k <= n0 + block_n + 1; ++seqlen_k) {
+          for (int seqlen_q = 1; seqlen_q <= 330; seqlen_q += 7) {
+            for (int causal = 0; causal < 2; ++causal) {
+              for (int any_mask = 0; any_mask < 2; ++any_mask) {
+                const int num_m = (seqlen_q + block_m - 1) / block_m;
+                const int m_begin = causal ? n0 / block_m : 0;
+                const int count = masked_query_tiles(n0, seqlen_k, num_m, m_begin, causal, any_mask,
+                                                     block_m, block_n);
+                for (int m = m_begin; m < num_m; ++m) {
+                  const bool masked = any_mask || n0 + block_n > seqlen_k ||
+                                      (causal && n0 + block_n - 1 > m * block_m);
+                  CHECK(masked == (m - m_begin < count),
+                        "n0=%d Tk=%d Tq=%d causal=%d any=%d bm=%d bn=%d: tile %d", n0, seqlen_k,
+                        seqlen_q, causal, any_mask, block_m, block_n, m);
+                }
+                CHECK(count >= 0 && count <= (num_m > m_begin ? num_m - m_begin : 0), "range");
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 int main() {
   check_copy_layouts_for_cols<32>();
   check_copy_layouts_for_cols<64>();
@@ -108,6 +139,7 @@ int main() {
   check_copy_layouts_for_cols<256>();
   check_ldmatrix_patterns();
   check_unmasked_key_tiles();
+  check_masked_query_tiles();
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -92,13 +92,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const float scale_log2 = p.scale * kLog2e;
 
-  const TileCopy<kBlockN, kD, kThreads, T> k_copy(k, p.k_stride[2], p.head_dim);
-  const TileCopy<kBlockN, kD, kThreads, T> v_copy(v, p.v_stride[2], p.head_dim_v);
+  // Built per copy, not kept across the loop: at head dim 256 the kept state spilled.
+  auto k_copy = [&] { return TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim); };
+  auto v_copy = [&] { return TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v); };
   TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim).load(sQ_addr, m0, Tq);
   TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v).load(sdO_addr, m0, Tq);
   if (n_blocks > 0) {
-    k_copy.load(sK0_addr, 0, Tk);
-    v_copy.load(sV0_addr, 0, Tk);
+    k_copy().load(sK0_addr, 0, Tk);
+    v_copy().load(sV0_addr, 0, Tk);
   }
   cp_async_commit();
   const uint32_t q_frag =
@@ -123,20 +124,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // kernel that runs next. It doubles S and dP, for these calls only.
   const bool exact_delta = kGeneral && p.dscores != nullptr;
   const int steps = (exact_delta ? 2 : 1) * n_blocks;
+  // Key tiles [0, n_unmasked) of each pass need no mask (tiling.h); the exact-delta pass
+  // masks them all.
+  const int n_unmasked =
+      min(n_blocks, unmasked_key_tiles(m0, Tk, p.is_causal, any_mask || exact_delta, kBlockN));
   float delta_acc[2] = {0.f, 0.f};
   float acc_dq[1][kDTiles][4];
   zero(acc_dq);
-  for (int step = 0; step < steps; ++step) {
+
+  // One key tile; kMasked: compiled with the masks (the unmasked loop runs none of it and
+  // folds the scale into exp2's FFMA).
+  auto key_step = [&](const int step, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int nb = step % n_blocks;
-    const bool delta_pass = exact_delta && step < n_blocks;
+    const bool delta_pass = kMasked && exact_delta && step < n_blocks;
     const int n0 = nb * kBlockN;
     const uint32_t sK = sK0_addr + (step & 1) * kTileBytes;
     const uint32_t sV = sV0_addr + (step & 1) * kTileBytes;
     if (step + 1 < steps) {  // prefetch the next tile into the other buffer
       const int next_n0 = ((step + 1) % n_blocks) * kBlockN;
       const uint32_t next = ((step + 1) & 1) * kTileBytes;
-      k_copy.load(sK0_addr + next, next_n0, Tk);
-      v_copy.load(sV0_addr + next, next_n0, Tk);
+      k_copy().load(sK0_addr + next, next_n0, Tk);
+      v_copy().load(sV0_addr + next, next_n0, Tk);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -151,21 +160,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     gemm_smem_nt<T, 1, kNTiles, kD, kPitch>(acc_dp, do_frag, sV + kv_nt_offset);
 
     // Rows past seqlen_q need no mask: lse2 = +inf makes their probabilities 0.
-    const bool tile_masked =
-        any_mask || n0 + kBlockN > Tk || (p.is_causal && n0 + kBlockN - 1 > m0);
     const HiddenKeys<kNTiles> hidden =
-        tile_masked ? HiddenKeys<kNTiles>(p, b, n0, lane) : HiddenKeys<kNTiles>();
+        kMasked ? HiddenKeys<kNTiles>(p, b, n0, lane) : HiddenKeys<kNTiles>();
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = m0 + warp * 16 + g + 8 * (i >> 1);
         const int col = n0 + nt * 8 + 2 * t + (i & 1);
-        float s2 = acc_s[0][nt][i] * scale_log2;
-        if (tile_masked) {
-          s2 = masked_score<kGeneral>(p, b, h, row, col, hidden(nt, i & 1), s2);
+        float pr;
+        if (kMasked) {
+          const float s2 = masked_score<kGeneral>(p, b, h, row, col, hidden(nt, i & 1),
+                                                  acc_s[0][nt][i] * scale_log2);
+          pr = ex2(s2 - lse2[i >> 1]);
+        } else {
+          pr = ex2(fmaf(acc_s[0][nt][i], scale_log2, -lse2[i >> 1]));
         }
-        const float pr = ex2(s2 - lse2[i >> 1]);
         float dp = acc_dp[0][nt][i];
         if (dropout) dp *= dropout_factor(seed, bh, row, col, Tq, Tk, p.dropout_p, inv_keep);
         if (delta_pass) {
@@ -189,12 +199,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         }
       }
       __syncthreads();  // every warp is done with this buffer before it is refilled
-      continue;
+      return;
     }
     uint32_t a_ds[1][kNTiles / 2][4];
     to_a_fragments<T, 1, kNTiles>(a_ds, acc_s);
     gemm_regs_smem<T, 1, kNTiles / 2, kDTiles, kPitch>(acc_dq, a_ds, sK + k_trans_offset);
     __syncthreads();  // every warp is done with this buffer before it is refilled
+  };
+
+  for (int pass = 0; pass < steps; pass += n_blocks) {
+    int nb = 0;
+    for (; nb < n_unmasked; ++nb) key_step(pass + nb, Flag<false>());
+    for (; nb < n_blocks; ++nb) key_step(pass + nb, Flag<true>());
   }
 
   cp_async_wait<0>();
@@ -252,25 +268,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const float scale_log2 = p.scale * kLog2e;
 
-  // Query tile `tile` = (q head of the group, query block), loaded into buffer `buf`.
-  auto prefetch = [&](int tile, int buf) {
-    const int64_t h = hk * group + tile / tiles_per_head;
-    const int m0 = (m_begin + tile % tiles_per_head) * kBlockM;
+  // Query tile (q head `head` of the group, query block m_begin + mi): Q and dO by cp.async
+  // into buffer `buf`; its lse and delta (one row per thread) into registers, stored to shared
+  // memory by store_stats after this tile's compute, so the loads' latency hides behind it.
+  static_assert(kBlockM <= kThreads, "one lse/delta row per thread");
+  struct Stats {
+    float lse2, delta;
+  };
+  auto prefetch = [&](int head, int mi, int buf) -> Stats {
+    const int64_t h = hk * group + head;
+    const int m0 = (m_begin + mi) * kBlockM;
     const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
     const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
     TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim)
         .load(sQ0_addr + buf * kTileBytes, m0, Tq);
     TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v)
         .load(sdO0_addr + buf * kTileBytes, m0, Tq);
-    const int64_t stats = (b * p.heads + h) * Tq;
-    for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
-      const int row = m0 + i;
-      sLse0[buf * kBlockM + i] = row < Tq ? lse_log2(p.lse[stats + row]) : INFINITY;
-      sDelta0[buf * kBlockM + i] = row < Tq ? p.delta[stats + row] : 0.f;
-    }
     cp_async_commit();
+    const int row = m0 + static_cast<int>(threadIdx.x);
+    const int64_t stats = (b * p.heads + h) * Tq + row;
+    const bool real = threadIdx.x < kBlockM && row < Tq;
+    return {real ? lse_log2(p.lse[stats]) : INFINITY, real ? p.delta[stats] : 0.f};
   };
-  if (tiles > 0) prefetch(0, 0);
+  auto store_stats = [&](const Stats& st, int buf) {
+    if (threadIdx.x < kBlockM) {
+      sLse0[buf * kBlockM + threadIdx.x] = st.lse2;
+      sDelta0[buf * kBlockM + threadIdx.x] = st.delta;
+    }
+  };
+  if (tiles > 0) store_stats(prefetch(0, 0, 0), 0);
 
   float acc_dk[1][kDTiles][4], acc_dv[1][kDTiles][4];
   zero(acc_dk);
@@ -285,17 +311,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // This thread's two keys (rows g and g + 8 of the warp's 16) are the same for every tile.
   const bool key_hidden_row[2] = {key_hidden(p, b, key_row0 + g),
                                   key_hidden(p, b, key_row0 + g + 8)};
-  for (int tile = 0; tile < tiles; ++tile) {
+  // One query tile; kMasked: compiled with the masks (the unmasked loop runs none of it and
+  // folds the scale into exp2's FFMA).
+  auto query_tile = [&](const int tile, const int head, const int mi, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int buf = tile & 1;
+    Stats next{};
     if (tile + 1 < tiles) {
-      prefetch(tile + 1, buf ^ 1);
+      const bool same_head = mi + 1 < tiles_per_head;
+      next = prefetch(same_head ? head : head + 1, same_head ? mi + 1 : 0, buf ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // this tile's Q, dO, lse, delta (and K, V) are visible to all warps
-    const int64_t h = hk * group + tile / tiles_per_head;
-    const int m0 = (m_begin + tile % tiles_per_head) * kBlockM;
+    const int64_t h = hk * group + head;
+    const int m0 = (m_begin + mi) * kBlockM;
     const uint32_t sQ = sQ0_addr + buf * kTileBytes;
     const uint32_t sdO = sdO0_addr + buf * kTileBytes;
     const float* sLse = sLse0 + buf * kBlockM;
@@ -309,20 +340,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       zero(acc_dpt);
       gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_dpt, v_frag, sdO + qdo_nt_offset);
     }
-    // Queries past seqlen_q need no mask: their lse2 = +inf makes their probabilities 0.
-    const bool tile_masked =
-        any_mask || n0 + kBlockN > Tk || (p.is_causal && n0 + kBlockN - 1 > m0);
 #pragma unroll
     for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = key_row0 + g + 8 * (i >> 1);
         const int qi = nt * 8 + 2 * t + (i & 1);
-        float s2 = acc_st[0][nt][i] * scale_log2;
-        if (tile_masked) {
-          s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, key_hidden_row[i >> 1], s2);
+        float pr;
+        if (kMasked) {
+          const float s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, key_hidden_row[i >> 1],
+                                                  acc_st[0][nt][i] * scale_log2);
+          pr = ex2(s2 - sLse[qi]);
+        } else {
+          pr = ex2(fmaf(acc_st[0][nt][i], scale_log2, -sLse[qi]));
         }
-        const float pr = ex2(s2 - sLse[qi]);
         const float keep = dropout ? dropout_factor(seed, b * p.heads + h, m0 + qi, key, Tq, Tk,
                                                     p.dropout_p, inv_keep)
                                    : 1.f;
@@ -339,7 +370,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       to_a_fragments<T, 1, kQTiles>(a, acc_dpt);
       gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dk, a, sQ + qdo_trans_offset);
     }
+    if (tile + 1 < tiles) store_stats(next, buf ^ 1);  // read after the next barrier
     __syncthreads();  // every warp is done with this buffer before it is refilled
+  };
+
+  // Per q head of the group: its first query tiles need masks (causal diagonal; all of them
+  // with key padding, attn_mask or a key block crossing seqlen_k), the rest none (tiling.h).
+  // Rows past seqlen_q need no mask: their lse2 = +inf makes their probabilities 0.
+  const int masked_per_head =
+      masked_query_tiles(n0, Tk, num_m, m_begin, p.is_causal, any_mask, kBlockM, kBlockN);
+  // The general variant runs every tile through the masked body: its per-element mask and
+  // Philox code dwarf what the unmasked body saves, and the two bodies together spilled
+  // (66 B at head dim 128).
+  for (int head = 0, tile = 0; head < group && tiles_per_head > 0; ++head) {
+    int mi = 0;
+    const int masked_end = kGeneral ? tiles_per_head : masked_per_head;
+    for (; mi < masked_end; ++mi, ++tile) query_tile(tile, head, mi, Flag<true>());
+    if constexpr (!kGeneral) {
+      for (; mi < tiles_per_head; ++mi, ++tile) query_tile(tile, head, mi, Flag<false>());
+    }
   }
 
   cp_async_wait<0>();

@@ -14,11 +14,6 @@
 namespace fusedattn {
 namespace attn {
 
-template <bool kValue>
-struct Flag {
-  static constexpr bool value = kValue;
-};
-
 // The key loop walks the tiles from the last one down, in two parts compiled for their case:
 // the masked tiles first (causal diagonal, sequence end; every tile with key padding, attn_mask
 // or a negative scale), then the unmasked ones, which run no mask code and no branch for it
@@ -49,8 +44,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
-  const TileCopy<kBlockN, kD, kThreads, T> k_copy(k, p.k_stride[2], p.head_dim);
-  const TileCopy<kBlockN, kD, kThreads, T> v_copy(v, p.v_stride[2], p.head_dim_v);
+  // Built per copy, not kept across the key loop (registers; see attention_bwd_kernel.cuh).
+  auto k_copy = [&] { return TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim); };
+  auto v_copy = [&] { return TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v); };
 
   // Causal: key tiles right of this block's last query are never visited.
   const int n_end = p.is_causal ? min(Tk, m0 + kBlockM) : Tk;
@@ -66,7 +62,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const float scale_log2 = p.scale * kLog2e;
 
   TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim).load(sQ_addr, m0, Tq);
-  if (n_blocks > 0) k_copy.load(sK_addr, (n_blocks - 1) * kBlockN, Tk);
+  if (n_blocks > 0) k_copy().load(sK_addr, (n_blocks - 1) * kBlockN, Tk);
   cp_async_commit();
 
   float acc_o[kMTiles][kDTiles][4];
@@ -91,9 +87,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     cp_async_wait<0>();
     __syncthreads();  // Q and K tile nb landed; every warp is done with V tile nb-1
     if (kMasked) {
-      v_copy.load(sV_addr, n0, Tk);
+      v_copy().load(sV_addr, n0, Tk);
     } else {
-      v_copy.template load<false>(sV_addr, n0, Tk);  // whole tiles
+      v_copy().template load<false>(sV_addr, n0, Tk);  // whole tiles
     }
     cp_async_commit();
 
@@ -129,7 +125,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     cp_async_wait<0>();
     __syncthreads();  // V tile nb landed; every warp is done with K tile nb
     if (nb > 0) {
-      k_copy.template load<false>(sK_addr, n0 - kBlockN, Tk);  // tiles before nb are whole
+      k_copy().template load<false>(sK_addr, n0 - kBlockN, Tk);  // tiles before nb are whole
       cp_async_commit();
     }
 

@@ -21,18 +21,22 @@
 //
 // Static screen for sm_90a (issue #13; scripts/static_cuda_attention.py, nvcc 13.0, bf16; SASS
 // instructions per key-loop iteration per warp, benchmarks/results/sm90-static/). The timings
-// above predate these changes; they were issue-bound, not latency-bound, per this screen:
-//   forward D=128  one loop, run-time mask branch: 1983 (862 integer), 32 B spills.
-//                  Now: per-thread copy offsets computed once (TileCopy), ldmatrix lane
-//                  addresses hoisted, tiles walked from the last one down with the masked
-//                  ones in their own loop, the scale folded into the exp2's FFMA, the next K
-//                  copy issued before the softmax: unmasked loop 935 (80 integer; FA2 with the
-//                  same tile: 908), masked loop 1368. Spills 108 B (row sums and two
-//                  pointers, ~12 local loads/stores per unmasked iteration): the tile sits at
-//                  255 registers; the 128x32 and 8-warp 128x64 tuning variants do not spill.
-//            D=64  1748 -> 627 unmasked, no spills.
-//   dK/dV  D=128   1520 -> 1264, spills 8 B -> none; key padding now on this fast path.
-//   dQ     D=128   1406 -> 972, no spills.
+// above predate these changes, which target the issue-bound profile:
+//   forward D=128  before: one loop with a run-time mask branch, 1983 (862 integer), 32 B
+//                  spills. Now: copy offsets derived once per copy (TileCopy), ldmatrix
+//                  addresses as a register plus an immediate, tiles walked from the last one
+//                  down with the masked ones in their own loop, the scale folded into exp2's
+//                  FFMA, the next K copy issued before the softmax: unmasked loop 926 (76
+//                  integer; FA2 with the same tile: 908), masked 1330. Spills 128 B, ~10 local
+//                  loads/stores per unmasked iteration: the tile sits at 255 registers (O is 128
+//                  fp32 per thread, S 64); tuning variants 1 and 3 do not spill.
+//            D=64  1748 -> unmasked 623, masked 982, no spills.  D=256: 1580 -> 783 / 1063.
+//   dK/dV  D=128   1520 -> unmasked 891, masked 1040; key padding now on this fast path (a
+//                  thread's two keys read once per block); lse/delta loads of the next tile
+//                  overlap this tile's compute.
+//   dQ     D=128   1406 -> unmasked 692, masked 906, no spills.  D=256: 1161 -> 636 / 731.
+//   The general variants (attn_mask, dropout) run every tile through the masked body in the
+//   backward; forward D=128 general 4623 -> 2420 unmasked / 3922 masked.
 #pragma once
 
 #include <cstdint>
@@ -69,7 +73,11 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #ifdef FUSEDATTN_TUNING
 // Tuning builds only (FUSEDATTN_TUNING=1 at build time; scripts/tune_attention.py): extra tile
-// variants of the bf16 D=128 kernels, picked per call by an environment variable (0 = policy).
+// variants of the bf16 D=128 kernels and the D=64 forward, picked per call by an environment
+// variable (0 = policy). sm_90a screen of the D=64 forward variants (unmasked loop, per warp):
+// policy 128x64/4 warps 623 instructions per 32x64 scores, no spills; variant 6, 128x128/8
+// warps, 597 per 16x128, no spills, one block per SM; variant 5, 128x128/4 warps, 1115 per
+// 32x128, 12 B spills.
 inline int tuning_variant(const char* name) {
   const char* value = std::getenv(name);
   return value ? std::atoi(value) : 0;
@@ -129,6 +137,16 @@ void launch_forward(const AttentionParams& p, cudaStream_t stream) {
         return launch_forward<T, attn::ForwardTraits<128, 128, 64, 8>, false>(p, stream);
       case 4:
         return launch_forward<T, attn::ForwardTraits<128, 64, 64, 4, 3>, false>(p, stream);
+      default:
+        break;
+    }
+  }
+  if constexpr (kHeadDim == 64 && !kGeneral && std::is_same_v<T, __nv_bfloat16>) {
+    switch (attn::tuning_variant("FUSEDATTN_TUNE_FWD")) {
+      case 5:
+        return launch_forward<T, attn::ForwardTraits<64, 128, 128, 4>, false>(p, stream);
+      case 6:
+        return launch_forward<T, attn::ForwardTraits<64, 128, 128, 8>, false>(p, stream);
       default:
         break;
     }

@@ -11,6 +11,13 @@
 namespace fusedattn {
 namespace attn {
 
+// A compile-time flag for the kernels' generic lambdas: key_tile(nb, Flag<true>()) compiles the
+// masked loop body, Flag<false>() the unmasked one.
+template <bool kValue>
+struct Flag {
+  static constexpr bool value = kValue;
+};
+
 // Whether key `k` of batch b is hidden from every query: past the sequence end, or padding.
 // Both kernel variants read the key padding mask: once per key and tile, it is cheap.
 __device__ __forceinline__ bool key_hidden(const AttentionParams& p, int64_t b, int k) {

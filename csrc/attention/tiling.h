@@ -63,5 +63,20 @@ FUSEDATTN_HOST_DEVICE int unmasked_key_tiles(int m0, int seqlen_k, bool is_causa
   return is_causal && left_of_diagonal < whole ? left_of_diagonal : whole;
 }
 
+// dK/dV: of the query tiles [m_begin, num_m) a key block starting at n0 sweeps per q head, how
+// many leading ones need masks. A tile needs them when any mask is given, when the key block
+// crosses seqlen_k, or, causal, when a key of the block is right of the tile's first query
+// (n0 + block_n - 1 > m * block_m): the tiles below the diagonal come last and need none.
+FUSEDATTN_HOST_DEVICE int masked_query_tiles(int n0, int seqlen_k, int num_m, int m_begin,
+                                             bool is_causal, bool any_mask, int block_m,
+                                             int block_n) {
+  const int tiles = num_m > m_begin ? num_m - m_begin : 0;
+  if (any_mask || n0 + block_n > seqlen_k) return tiles;
+  if (!is_causal) return 0;
+  const int diagonal_end = (n0 + block_n - 1 + block_m - 1) / block_m;  // first m with none
+  const int masked = diagonal_end - m_begin;
+  return masked < 0 ? 0 : (masked > tiles ? tiles : masked);
+}
+
 }  // namespace attn
 }  // namespace fusedattn

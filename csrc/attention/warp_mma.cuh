@@ -125,9 +125,12 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Copies kRows x kCols tiles of a row-major global tensor into padded shared memory with
 // cp.async, 16 bytes per thread and step; rows >= row_end and columns >= col_end (a multiple
-// of 8) are zero-filled. What depends on the thread alone is computed once, at construction:
-// its row and column in the tile, its shared-memory offset, its global pointer and whether its
-// column is in range. A tile then costs one 64-bit offset, and per step a 64-bit add and a
+// of 8) are zero-filled. What depends on the thread alone (its row and column in the tile, its
+// shared-memory offset, its global pointer, whether its column is in range) is derived from
+// threadIdx at construction: loop-invariant, so ptxas keeps it or recomputes it as registers
+// allow (the kernels build one per copy: keeping the K and V copies' state live across the
+// forward's key loop cost ~10 registers and spills at head dim 128, and 72 B of spills in the
+// head-dim-256 dQ kernel). A tile costs one 64-bit offset, and per step a 64-bit add and a
 // shared offset folded into the instruction; rows are checked only for a tile that crosses
 // row_end (kCheckRows). Before this, every 16-byte chunk of every tile recomputed a 64-bit
 // address and a row-and-column predicate (issue #13).
