@@ -72,6 +72,7 @@ step info 20 $PYTHON -m fusedattn.info
 # The Triton kernels (never run on a GPU in this form before): every kernels/gpu test of the
 # attention, its variants and the norms, 8 processes compiling at once.
 step triton-tests 240 sharded_pytest triton 8 -m "gpu or kernels" tests/test_attention.py \
+  tests/test_attention_tma.py \
   tests/test_attention_variants.py tests/test_empty_inputs.py tests/test_layernorm.py \
   tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py
 # The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.

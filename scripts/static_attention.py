@@ -10,8 +10,9 @@ ENVIRONMENT.md) where fusedattn is installed (`FUSEDATTN_SKIP_CUDA_BUILD=1 pip i
     python scripts/static_attention.py --tool ../shared/tools/sm90_static.py \\
         --variants plain,causal,window --tiles fwd=128x64w8s3,fwd=64x64w4s2 --csv out.csv
 
-Tiles are KERNEL=BMxBNwWARPSsSTAGES with KERNEL one of fwd, dkdv, dq; the kernels not named
-keep the default GPU tiles. Each (variant, kernel, tiles) compiles in its own process.
+Tiles are KERNEL=BMxBNwWARPSsSTAGES[t] with KERNEL one of fwd, dkdv, dq and a trailing t for
+tensor-descriptor (TMA) copies (the forward only); the kernels not named keep the default GPU
+tiles. Each (variant, kernel, tiles) compiles in its own process.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ KERNELS = ("fwd", "dkdv", "dq")
 
 def parse_tiles(spec: str):
     kernel, _, rest = spec.partition("=")
-    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", rest)
-    if kernel not in KERNELS or not m:
-        raise argparse.ArgumentTypeError(f"tiles look like fwd=128x64w8s3, got {spec!r}")
-    return kernel, tuple(int(g) for g in m.groups())
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)", rest)
+    if kernel not in KERNELS or not m or (m.group(5) and kernel != "fwd"):
+        raise argparse.ArgumentTypeError(f"tiles look like fwd=128x64w8s3[t], got {spec!r}")
+    return kernel, (*(int(g) for g in m.groups()[:4]), m.group(5) == "t")
 
 
 def _load_tool(path: str):
@@ -108,7 +109,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None) 
     row = dict(
         variant=variant,
         kernel=kernel,
-        tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}",
+        tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}{'t' if t.tma else ''}",
     )
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
     loops = tool.loops(compiled)

@@ -25,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-# (kernel, "BMxBNwWARPSsSTAGES"); the shipped tiles are always measured first
+# (kernel, "BMxBNwWARPSsSTAGES[t]", t: tensor-descriptor (TMA) copies); the shipped tiles are
+# always measured first
 CANDIDATES = {
-    "fwd": ["128x128w8s2", "128x64w8s3"],
+    "fwd": ["128x128w8s2", "128x64w8s3", "64x64w4s2t", "128x128w8s2t", "128x64w8s3t"],
     "dq": ["128x64w8s3", "128x32w8s2", "64x64w8s2"],
     "dkdv": ["64x128w8s3", "32x128w8s2", "64x64w8s3"],
 }
@@ -39,10 +40,11 @@ FLOPS = {"fwd": 4.0, "dq": 6.0, "dkdv": 8.0}  # per (q, k) pair and head dim: GE
 def tiles(spec: str):
     from fusedattn.triton_kernels.attention import Tiles
 
-    bm, rest = spec.split("x")
+    tma = spec.endswith("t")
+    bm, rest = spec.removesuffix("t").split("x")
     bn, rest = rest.split("w")
     warps, stages = rest.split("s")
-    return Tiles(int(bm), int(bn), int(warps), int(stages))
+    return Tiles(int(bm), int(bn), int(warps), int(stages), tma)
 
 
 def setup(D: int, causal: bool, device, dtype, shape=(B, H, T)):

@@ -36,12 +36,15 @@ LN2 = 0.6931471805599453
 
 @dataclass(frozen=True)
 class Tiles:
-    """One kernel's tiling: query rows and keys per tile, warps, pipeline stages."""
+    """One kernel's tiling: query rows and keys per tile, warps, pipeline stages; tma: read
+    and write the (B, H, T, D) tensors through host-built tensor descriptors (the forward only;
+    Hopper's TMA copies, no per-element address arithmetic) where their layout allows it."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -302,23 +305,30 @@ def _grid_block(pid, num_blocks, LONGEST_FIRST: tl.constexpr):
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
-    b, h, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
+    b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
     MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """The online-softmax update of key tiles [lo, hi)."""
+    """The online-softmax update of key tiles [lo, hi). USE_TMA: K_head and V_head are the
+    (B, Hkv, Tk, D) tensor descriptors, whose copies zero-fill past Tk and D (so they need no
+    bounds masks); otherwise pointers to this head's row 0."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
         cols = start_n + tl.arange(0, BLOCK_N)
-        k_keep = (d < D)[:, None]
-        if POSITIONAL:  # interior tiles are whole: no bounds to check
-            k_keep = k_keep & (cols < k_len)[None, :]
-        kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
-                     other=0.0)  # fmt: skip
+        if USE_TMA:
+            at = [b.to(tl.int32), hk.to(tl.int32), start_n, 0]  # 32-bit coordinates
+            kt = tl.trans(K_head.load(at).reshape(BLOCK_N, BLOCK_D))
+        else:
+            k_keep = (d < D)[:, None]
+            if POSITIONAL:  # interior tiles are whole: no bounds to check
+                k_keep = k_keep & (cols < k_len)[None, :]
+            kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
+                         other=0.0)  # fmt: skip
         s, _ = _tile_scores(
             _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
             k_len, offset, slope2, scale, softcap, window_left, window_right,
@@ -330,9 +340,16 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
-        v = tl.load(V_head + cols[:, None].to(tl.int64) * sv_t + dv[None, :], mask=v_keep,
-                    other=0.0)  # fmt: skip
+        if USE_TMA:
+            v = V_head.load([b.to(tl.int32), hk.to(tl.int32), start_n, 0])
+            v = v.reshape(BLOCK_N, BLOCK_DV)
+            if HAS_KPM:  # a padded key never contributes, even a NaN in its value
+                keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
+                v = tl.where(keep, v, 0.0)
+        else:
+            v_keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
+            v = tl.load(V_head + cols[:, None].to(tl.int64) * sv_t + dv[None, :], mask=v_keep,
+                        other=0.0)  # fmt: skip
         if DROPOUT:  # the normaliser l_i keeps the undropped mass
             p = p * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
@@ -351,9 +368,11 @@ def attention_fwd(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
+    """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
+    D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -367,8 +386,11 @@ def attention_fwd(
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     row_ptr = (q_start + rows).to(tl.int64)
-    q = tl.load(Q + b * sq_b + h * sq_h + row_ptr[:, None] * sq_t + d[None, :],
-                mask=(rows < q_len)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    if USE_TMA:  # descriptor coordinates are 32-bit
+        q = Q.load([b.to(tl.int32), h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(Q + b * sq_b + h * sq_h + row_ptr[:, None] * sq_t + d[None, :],
+                    mask=(rows < q_len)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
@@ -379,8 +401,12 @@ def attention_fwd(
         m_i = tl.full([BLOCK_M], 1.0, tl.float32) * sink2
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    K_head = K + b * sk_b + hk * sk_h + k_start * sk_t
-    V_head = V + b * sv_b + hk * sv_h + k_start * sv_t
+    if USE_TMA:
+        K_head = K
+        V_head = V
+    else:
+        K_head = K + b * sk_b + hk * sk_h + k_start * sk_t
+        V_head = V + b * sv_b + hk * sv_h + k_start * sv_t
     lo, mid_lo, mid_hi, hi = _key_range(start_m, q_len, k_len, offset, window_left,
                                         window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)  # fmt: skip
     if HAS_KPM:
@@ -390,14 +416,21 @@ def attention_fwd(
         first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
-            b, h, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
-            MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
-            HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N,
+            b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
+            window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
+            dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
+            BLOCK_N, BLOCK_D, BLOCK_DV,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :],
-             out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None] & (dv < Dv)[None, :])  # fmt: skip
+    if USE_TMA:  # the copy clips rows past Tq and columns past Dv
+        Out.store(
+            [b.to(tl.int32), h.to(tl.int32), start_m, 0],
+            out.to(Out.dtype).reshape(1, 1, BLOCK_M, BLOCK_DV),
+        )
+    else:
+        tl.store(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None] & (dv < Dv)[None, :])  # fmt: skip
     seen = l_i > 0.0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip

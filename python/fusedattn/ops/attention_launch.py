@@ -48,6 +48,32 @@ def _mask_args(q, k, attn_mask, key_padding_mask):
     return mask, kpm, (*strides, kpm.stride(0) if kpm is not None else 0), flags
 
 
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can describe each (B, H, T, D) tensor as it is: the TMA unit
+    needs a 16-byte aligned base, a unit last stride and the other strides in multiples of 16
+    bytes (a D of 20 bf16 elements, for one, does not qualify)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(st * size % 16 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True) if n > 1):
+            return False
+    return True
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A host tensor descriptor over a (B, H, T, D) tensor whose copies move (1, 1, rows, cols)
+    blocks, zero-filling past T and D on loads and clipping there on stores."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # A dim of size 1 may carry any stride; the TMA unit wants each 16-byte aligned.
+    strides = [
+        st if n > 1 else 16 // t.element_size() for st, n in zip(t.stride(), t.shape, strict=True)
+    ]
+    strides[-1] = 1
+    return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, cols])
+
+
 def bht_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, head, row) strides: (B, H, T, D) tensors as they are, packed (total, H, D)
     ones with batch stride 0 (each sequence's first row comes from cu_seqlens)."""
@@ -122,15 +148,22 @@ class TritonAttentionLaunch:
             kernel[grid](*args, **constexprs)
 
     def fwd_args(self, q, k, v, out, lse):
+        strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
+        t = self.cfg.fwd
+        use_tma = t.tma and not self.varlen and tma_compatible(q, k, v, out)
+        if use_tma:
+            bd, bdv = self.cfg.block_d, self.cfg.block_dv
+            q, out = descriptor(q, t.block_m, bd), descriptor(out, t.block_m, bdv)
+            k, v = descriptor(k, t.block_n, bd), descriptor(v, t.block_n, bdv)
         args = (
             q, k, v, out, lse, self.mask, self.kpm, self.kv_range, self.seed, self.slopes,
-            self.sinks,
-            self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
-            *self.strides(out), *self.lse_strides, *self.mask_strides, self.alibi_stride,
-            self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
+            self.sinks, self.cu_q, self.cu_k, *strides, *self.lse_strides, *self.mask_strides,
+            self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
             self.query_blocks("fwd"), *self.scalars,
         )  # fmt: skip
-        constexprs = dict(HAS_SINKS=self.sinks is not None, **self.flags, **self.tiles("fwd"))
+        constexprs = dict(
+            HAS_SINKS=self.sinks is not None, USE_TMA=use_tma, **self.flags, **self.tiles("fwd")
+        )
         return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
 
     def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
