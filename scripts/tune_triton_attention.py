@@ -107,6 +107,14 @@ def compile_one(case: str, kernel: str, spec: str | None) -> str:
     return f"{case} {kernel} {spec or 'shipped'}"
 
 
+def write_rows(rows: list[dict], path: Path) -> None:
+    fields = ["case", "kernel", "tiles", "ms", "tflops", "speedup", "max_diff", "error"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -134,6 +142,8 @@ def main(argv=None) -> int:
                     print(f"  compile {futures[future]}: {repr(exc)[:200]}", flush=True)
         print(f"compiled {len(jobs)} candidates in {time.perf_counter() - start:.0f}s", flush=True)
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "tune_triton_attention.csv"
     for case in cases:
         D, causal = CASES[case]
         dtype = torch.bfloat16 if gpu else torch.float32
@@ -168,13 +178,7 @@ def main(argv=None) -> int:
                            speedup=round(shipped_ms / ms, 3), max_diff=f"{err:.3g}")  # fmt: skip
                 print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 rows.append(row)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "tune_triton_attention.csv"
-    fields = ["case", "kernel", "tiles", "ms", "tflops", "speedup", "max_diff", "error"]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+        write_rows(rows, path)  # after every case: a step cut by its time limit keeps the rest
     print(f"wrote {path}")
     for case in cases:
         for kernel in CANDIDATES:
