@@ -7,8 +7,9 @@
 # (at most 8 minutes) each:
 #   check   (default) build info triton-tests cuda-tests bench-attention
 #   measure build tune-triton bench-norms bench-model host
-# and, on request only, profile (per-kernel times and an ncu report of the CUDA attention) and
-# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1).
+# and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
+# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1) and tune-norms (the Triton
+# LayerNorm/RMSNorm/softmax warp counts and backward row paths).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -99,5 +100,6 @@ if [[ $steps == *" profile "* ]]; then
     --log-file "$out_dir/ncu.txt" $PYTHON scripts/profile_attention.py --ncu
 fi
 step tune-cuda 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
+step tune-norms 240 $PYTHON scripts/tune_norms.py --out "$out_dir"
 echo "== gpu-check done: status $status; files in $out_dir"
 exit "$status"

@@ -51,6 +51,21 @@ def test_looped_path_kx(N, dtype, monkeypatch):
     assert all(len(probes[n].grids) == 1 for n in names)
 
 
+def test_rows_past_the_backward_limit_take_one_pass_forward_and_looped_backward(monkeypatch):
+    """Past MAX_ONE_PASS_BWD_N the one-pass backward would spill (sm_90), so the backward
+    loops while the forward still holds the row in registers."""
+    monkeypatch.setattr(K, "MAX_ONE_PASS_BWD_N", 128)
+    names = ("layer_norm_fwd_one_pass", "layer_norm_bwd_one_pass", "layer_norm_bwd_dx_looped",
+             "layer_norm_bwd_params_looped")  # fmt: skip
+    probes = probe_kernels(monkeypatch, K, *names)
+    x = torch.randn(2, 3, 300) * 2 + 5
+    check(x, torch.randn(300), torch.randn(300))
+    assert len(probes["layer_norm_fwd_one_pass"].grids) == 1
+    assert not probes["layer_norm_bwd_one_pass"].grids
+    assert len(probes["layer_norm_bwd_dx_looped"].grids) == 1
+    assert len(probes["layer_norm_bwd_params_looped"].grids) == 1
+
+
 @pytest.mark.parametrize("affine", ["weight", "bias", "none"])
 def test_optional_parameters(affine):
     x = torch.randn(4, 33)

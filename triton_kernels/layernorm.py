@@ -19,6 +19,11 @@ import triton.language as tl
 # x 64 fp32 values is 32768: beyond that registers spill, so longer rows loop over blocks.
 MAX_ONE_PASS_N = 32768
 LOOP_BLOCK_N = 4096
+# The backward holds x, dy and their products per row: past 8192 elements its one-pass kernel
+# spills on sm_90 (16 warps: 528 B per thread at 16384, 5.8 KB at 32768, against none at 8192;
+# scripts/static_norms.py), so longer rows take the looped backward, which re-reads x and dy
+# instead. Where the crossover lies between 8192 and 16384 is for scripts/tune_norms.py to time.
+MAX_ONE_PASS_BWD_N = 8192
 
 
 @dataclass(frozen=True)

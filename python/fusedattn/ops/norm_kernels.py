@@ -71,7 +71,8 @@ def _backward(dy, x, weight, mean, rstd, n, param_grads, rms, backend):
     dw_partial = alloc(shape, dtype=torch.float32, device=x.device)
     db_partial = alloc(shape, dtype=torch.float32, device=x.device)
     if M:
-        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
+        limit = min(K.MAX_ONE_PASS_N, K.MAX_ONE_PASS_BWD_N)  # longer rows would spill
+        cfg = K.layer_norm_config(n, max_one_pass_n=limit)
         if cfg.one_pass:
             K.layer_norm_bwd_one_pass[(programs,)](
                 rows, drows, dx, weight, mean, rstd, dw_partial, db_partial,
