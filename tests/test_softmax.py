@@ -146,3 +146,23 @@ def test_cuda_backend_kx(N, dtype):
     keep[1, 2] = False
     y = fusedattn.softmax(x, mask=keep, backend="cuda")
     assert (y[1, 2] == 0).all() and not y.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [8, 256, 1000, 1024, 2048, 4096, 8192, 16384, 32768, 32776])
+def test_cuda_fast_path_rows_kx(N, dtype):
+    """Unmasked, non-causal softmax over aligned unit-stride rows takes the CUDA fast path (rows
+    in registers, softmax_rows.cuh): every row shape it launches (a warp with 1-4 vectors per
+    lane, 128-512 threads with 2-8), scales of both signs, a sliced row view, the backward, and
+    a row of -inf (0, as the general kernels give). 32776 and fp32 past 16384 take the general
+    kernels."""
+    x = (torch.randn(3, 5, N) * 4).to(dtype)
+    check(x, "cuda", dim=-1, scale=0.5)
+    check(x, "cuda", dim=-1, scale=-1.3)
+    wide = (torch.randn(3, 5, N + 8) * 4).to(dtype)
+    check(wide[..., :N], "cuda", dim=-1)  # row starts 16-byte aligned: N + 8 elements apart
+    x = x.clone()
+    x[1, 2] = float("-inf")
+    y = fusedattn.softmax(x, backend="cuda")
+    assert (y[1, 2] == 0).all() and not y.isnan().any()

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "attention/tiling.h"
+#include "common/fast_math.cuh"
 
 namespace fusedattn {
 namespace attn {
@@ -104,13 +105,6 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// 2^x in one MUFU instruction (2 ulp); ex2(-inf) = +0, so masked scores vanish exactly.
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Reductions over the 4 lanes (one quad) that share a row of a C fragment.

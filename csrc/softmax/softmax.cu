@@ -4,7 +4,8 @@
 // exp(x - max) / sum in a second read; a row with nothing kept gives 0. Loads are scalar and
 // coalesced when the N stride is 1; rows along other axes are read through their stride.
 //
-// Tile choices are a starting point, not yet measured on a GPU (issue #6).
+// Tile choices are a starting point, not yet measured on a GPU (issue #6). Unit-stride aligned
+// rows without masks take the register-resident fast path of softmax_rows.cuh instead.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,6 +14,7 @@
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "softmax/softmax.h"
+#include "softmax/softmax_rows.cuh"
 
 namespace fusedattn {
 namespace {
@@ -140,6 +142,7 @@ void launch(void (*kernel)(SoftmaxParams), const SoftmaxParams& p, cudaStream_t 
 void softmax_forward(const SoftmaxParams& p, cudaStream_t stream) {
   if (p.sizes[0] * p.sizes[1] * p.sizes[2] * p.sizes[3] == 0) return;
   FLOATING_SWITCH(p.dtype, T, [&] {
+    if (softmax_rows::run<T>(false, p, stream)) return;
     BOOL_SWITCH(p.sizes[3] <= kWarpRowMax, kWarpPerRow,
                 [&] { launch<T, kWarpPerRow>(softmax_fwd_kernel<T, kWarpPerRow>, p, stream); });
   });
@@ -148,6 +151,7 @@ void softmax_forward(const SoftmaxParams& p, cudaStream_t stream) {
 void softmax_backward(const SoftmaxParams& p, cudaStream_t stream) {
   if (p.sizes[0] * p.sizes[1] * p.sizes[2] * p.sizes[3] == 0) return;
   FLOATING_SWITCH(p.dtype, T, [&] {
+    if (softmax_rows::run<T>(true, p, stream)) return;
     BOOL_SWITCH(p.sizes[3] <= kWarpRowMax, kWarpPerRow,
                 [&] { launch<T, kWarpPerRow>(softmax_bwd_kernel<T, kWarpPerRow>, p, stream); });
   });
