@@ -2,7 +2,7 @@
 float64 reference under the k× rule, forward and backward, in the interpreter on CPU and
 compiled on a GPU: the descriptor copies zero-fill past the sequence and head-dim ends and clip
 the output store there, so the kernel drops its bounds masks; key padding still zeroes padded
-values. Layouts the TMA unit cannot describe fall back to pointer loads."""
+values. Layouts the TMA unit cannot describe, and fp32, fall back to pointer loads."""
 
 import dataclasses
 from functools import partial
@@ -65,6 +65,9 @@ def test_descriptors_are_built_only_for_layouts_the_tma_unit_takes():
     # a view whose rows are not 16-byte aligned
     base = torch.randn(1, 2, 9, 65, dtype=torch.bfloat16)
     assert not tma_compatible(base[..., 1:])
+    # fp32: descriptors are for 2-byte dtypes (fp32 tiles spilled through them)
+    q, k, v = make_qkv(s, torch.float32, q.device)
+    assert tma_compatible(q) and launch_flags(q, k, v) == (False, q)
 
 
 @pytest.mark.usefixtures("tma_forward")
@@ -76,7 +79,7 @@ def test_descriptors_are_built_only_for_layouts_the_tma_unit_takes():
     ids=str,
 )  # fmt: skip
 def test_tma_forward_hard_shapes(shape, causal):
-    q, k, v = make_qkv(shape, torch.float32, torch.get_default_device())
+    q, k, v = make_qkv(shape, torch.bfloat16, torch.get_default_device())
     assert launch_flags(q, k, v)[0]  # the path under test is the descriptor one
     assert_op_kx(triton_attention, reference.attention, dict(q=q, k=k, v=v),
                  kwargs=dict(is_causal=causal, enable_gqa=shape.Hq != shape.Hkv),
@@ -89,7 +92,7 @@ def test_tma_forward_hard_shapes(shape, causal):
 )
 def test_tma_forward_variants(name):
     s = AttentionShape(2, 4, 2, 63, 129, 16, 16)
-    tensors, kwargs, grad_of = variant_inputs(s, torch.float32, VARIANTS[name])
+    tensors, kwargs, grad_of = variant_inputs(s, torch.bfloat16, VARIANTS[name])
     assert_op_kx(triton_attention, reference.attention, tensors, kwargs=kwargs, grad_of=grad_of)
 
 
@@ -106,7 +109,7 @@ def test_tma_forward_half_precision(dtype):
 @pytest.mark.usefixtures("tma_forward")
 def test_tma_forward_padded_keys_never_contribute_even_nan_values():
     s = AttentionShape(2, 2, 2, 20, 50, 16, 16)
-    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    q, k, v = make_qkv(s, torch.bfloat16, torch.get_default_device())
     kpm = torch.zeros(2, 50, dtype=torch.bool)
     kpm[0, 30:] = True
     kpm[1, :7] = True
@@ -117,15 +120,15 @@ def test_tma_forward_padded_keys_never_contribute_even_nan_values():
     want = reference.attention(q.double(), k.double(), v.nan_to_num(0.0).double(),
                                key_padding_mask=kpm)  # fmt: skip
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)  # bf16 outputs
 
 
 @pytest.mark.usefixtures("tma_forward")
 def test_tma_forward_leaves_varlen_on_pointers():
     cu = torch.tensor([0, 5, 17], dtype=torch.int32)
-    q, k, v = (torch.randn(17, 2, 16) for _ in range(3))
+    q, k, v = (torch.randn(17, 2, 16, dtype=torch.bfloat16) for _ in range(3))
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12, max_seqlen_k=12)
     assert launch_flags(q, k, v, **kw) == (False, q)
     out = fusedattn.varlen_attention(q, k, v, cu, cu, 12, 12, backend="triton")
     want = reference.varlen_attention(q.double(), k.double(), v.double(), cu, cu, 12, 12)
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)  # bf16 outputs

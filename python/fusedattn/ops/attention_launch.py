@@ -150,7 +150,10 @@ class TritonAttentionLaunch:
     def fwd_args(self, q, k, v, out, lse):
         strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
         t = self.cfg.fwd
-        use_tma = t.tma and not self.varlen and tma_compatible(q, k, v, out)
+        # 2-byte dtypes only: fp32 tiles spilled 3-54 KB through descriptors on sm_90 (Triton
+        # 3.6), and fp32 is not where a speed user is
+        use_tma = t.tma and not self.varlen and q.element_size() == 2
+        use_tma = use_tma and tma_compatible(q, k, v, out)
         if use_tma:
             bd, bdv = self.cfg.block_d, self.cfg.block_dv
             q, out = descriptor(q, t.block_m, bd), descriptor(out, t.block_m, bdv)
