@@ -182,6 +182,11 @@ def test_config_is_a_pure_function():
     assert K.attention_config(128, 128, on_gpu=True) == K.AttentionConfig(128, 128, gpu, gpu, gpu)
     assert K.attention_config(256, 256, on_gpu=True).dkdv.block_n == 32
     assert K.attention_config(8, 8, on_gpu=True).block_d == 16
+    fp32 = K.Tiles(32, 16, 4, 2)  # FMA dots: small tiles (55-135 KB of spills at 64x64)
+    assert K.attention_config(128, 128, True, ieee_fp32=True) == K.AttentionConfig(
+        128, 128, fp32, fp32, fp32
+    )
+    assert K.attention_config(128, 128, False, ieee_fp32=True).fwd == cpu
 
 
 def test_torch_compile_fullgraph_sees_one_custom_op():

@@ -125,7 +125,10 @@ def test_triton_rows_that_see_nothing_give_zero_grads_and_the_sink_as_lse():
 def block_sizes():
     from fusedattn.triton_kernels.attention import attention_config
 
-    cfg = attention_config(16, 16, torch.get_default_device().type == "cuda")
+    gpu = torch.get_default_device().type == "cuda"
+    # the tiles the fp32 inputs below get: FMA dots unless TF32 is allowed
+    ieee = gpu and not torch.backends.cuda.matmul.allow_tf32
+    cfg = attention_config(16, 16, gpu, ieee_fp32=ieee)
     assert cfg.fwd == cfg.dkdv == cfg.dq  # the test reads one tiling for every kernel
     return cfg.fwd.block_m, cfg.fwd.block_n
 

@@ -60,16 +60,22 @@ class AttentionConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def attention_config(D: int, Dv: int, on_gpu: bool) -> AttentionConfig:
+def attention_config(D: int, Dv: int, on_gpu: bool, ieee_fp32: bool = False) -> AttentionConfig:
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
     fast and cross several blocks. GPU tiles are a safe starting point for sm_80/sm_90
     (64x64, 4 warps, 2 stages; 32-wide key tiles past D=128 to stay in registers) until the
-    Hopper tuning of issue #12 (scripts/tune_triton_attention.py) measures others."""
+    Hopper tuning of issue #12 (scripts/tune_triton_attention.py) measures others.
+    ieee_fp32 (fp32 inputs with TF32 off: the dots run on FMA units, operands in registers):
+    32x16 tiles; at 64x64 the D=128 kernels spilled 55-135 KB per thread on sm_90 (Triton 3.6),
+    at 32x16 the forward and dq none and dk/dv 1.3 KB."""
     bd = max(16, triton.next_power_of_2(D))
     bdv = max(16, triton.next_power_of_2(Dv))
     if not on_gpu:
         cpu = Tiles(32, 32, 1, 1)
         return AttentionConfig(bd, bdv, cpu, cpu, cpu)
+    if ieee_fp32:
+        fp32 = Tiles(32, 16, 4, 2)
+        return AttentionConfig(bd, bdv, fp32, fp32, fp32)
     block_n = 64 if max(bd, bdv) <= 128 else 32
     gpu = Tiles(64, block_n, 4, 2)
     return AttentionConfig(bd, bdv, gpu, gpu, gpu)

@@ -124,7 +124,9 @@ class TritonAttentionLaunch:
         )  # fmt: skip
         self.alibi_stride = 0 if self.slopes is None or self.slopes.dim() == 1 else self.H
         self.K = kernels("attention")
-        self.cfg = config or self.K.attention_config(self.D, self.Dv, q.is_cuda)
+        self.cfg = config or self.K.attention_config(
+            self.D, self.Dv, q.is_cuda, ieee_fp32=flags["PRECISION"] == "ieee"
+        )
 
     def tiles(self, kernel: str) -> dict:
         t = getattr(self.cfg, kernel)
