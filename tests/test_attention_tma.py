@@ -32,8 +32,8 @@ def tma_forward(monkeypatch):
         pytest.skip("tensor descriptors need sm_90 or later")
     original = K.attention_config
 
-    def with_tma(D, Dv, on_gpu):
-        cfg = original(D, Dv, on_gpu)
+    def with_tma(D, Dv, on_gpu, **kw):
+        cfg = original(D, Dv, on_gpu, **kw)
         return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, tma=True))
 
     monkeypatch.setattr(K, "attention_config", with_tma)
