@@ -153,8 +153,9 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
-def loops(ins: list[tuple[int, str]]) -> list[dict]:
-    """Innermost backward-branch loops that hold HMMA, in address order."""
+def loops(ins: list[tuple[int, str]], matrix_only: bool = True) -> list[dict]:
+    """Innermost backward-branch loops, in address order: of those holding HMMA, or of all
+    (matrix_only=False: the row-wise kernels of static_norms.py)."""
     index = {addr: i for i, (addr, _) in enumerate(ins)}
     found = []
     for i, (addr, text) in enumerate(ins):
@@ -163,7 +164,7 @@ def loops(ins: list[tuple[int, str]]) -> list[dict]:
             continue
         lo = index[int(m.group(1), 16)]
         c = collections.Counter(opcode(t) for _, t in ins[lo : i + 1])
-        if c["HMMA"]:
+        if c["HMMA"] or not matrix_only:
             found.append(
                 {
                     "lo": lo,

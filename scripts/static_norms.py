@@ -21,22 +21,16 @@ import argparse
 import collections
 import concurrent.futures
 import csv
-import importlib.util
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
+# the sibling screens: the same tool loading and SASS reading
+from static_attention import _load_tool
+from static_cuda_attention import loops, sass_functions
+
 KERNELS = ("layernorm_fwd", "rmsnorm_fwd", "layernorm_bwd", "softmax_fwd", "softmax_bwd")
-
-
-def _load_tool(path: str):
-    spec = importlib.util.spec_from_file_location("sm90_static", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    tool.install()
-    return tool
 
 
 def sass_counts(tool, compiled) -> tuple[int, int]:
@@ -48,20 +42,9 @@ def sass_counts(tool, compiled) -> tuple[int, int]:
         sass = subprocess.run(
             [os.path.join(tool._BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True
         ).stdout
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    (ins,) = sass_functions(sass).values()
     real = [t for _, t in ins if not t.startswith(("NOP", "BRA `(.L_x_"))]
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    loops = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
-            loops.append((index[int(m.group(1), 16)], i))
-    inner = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
-    biggest = max((hi - lo + 1 for lo, hi in inner), default=0)
+    biggest = max((lp["instructions"] for lp in loops(ins, matrix_only=False)), default=0)
     return len(real), biggest
 
 
