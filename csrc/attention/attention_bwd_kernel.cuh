@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   }
 
   cp_async_wait<0>();
+  __syncthreads();  // every thread's copies landed before this warp stages dQ in its Q rows
   T* dq = static_cast<T*>(p.dq) + b * p.dq_stride[0] + h * p.dq_stride[1];
   store_warp_rows<T, 1, kDTiles, kPitch>(acc_dq, p.scale, sQ + warp * 16 * kPitch, dq,
                                          p.dq_stride[2], m0 + warp * 16, Tq, p.head_dim, lane);
@@ -391,8 +392,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }
 
+  // Stage through this warp's own K and V rows (no other warp reads them). A block whose keys
+  // no query sees (causal, seqlen_q < seqlen_k) ran no tile: its K/V copies, issued by every
+  // thread, may still be landing in this warp's rows (cp.async.wait covers a thread's own
+  // copies only), so the block waits for all of them. The H100 saw K values in dK without it.
   cp_async_wait<0>();
-  // Stage through this warp's own K and V rows (no other warp reads them).
+  __syncthreads();
   if (kDoDK) {
     T* dk = static_cast<T*>(p.dk) + b * p.dk_stride[0] + hk * p.dk_stride[1];
     store_warp_rows<T, 1, kDTiles, kPitch>(acc_dk, p.scale, sK + warp * 16 * kPitch, dk,

@@ -188,7 +188,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   for (; nb >= 0; --nb) key_tile(nb, Flag<false>());
 
   // Normalise, write lse, and stage O through this warp's own Q rows for 16-byte stores.
-  cp_async_wait<0>();  // with no key tile at all, the Q copy may still be in flight
+  // With no key tile at all (a causal block past every key, an empty window) the Q copy may
+  // still be in flight: cp.async.wait covers a thread's own copies only, and other threads
+  // copied this warp's Q rows, so the block waits for all of them before O is staged there.
+  cp_async_wait<0>();
+  __syncthreads();
   float* lse = p.lse + bh * Tq;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
