@@ -95,10 +95,20 @@ def _torch_attention(
         mask = torch.cat([mask.expand(shape), sink], dim=-1)
     if mask is not None and mask.dim() < 2:  # SDPA needs (..., Tq, Tk)
         mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-    return F.scaled_dot_product_attention(
+    # Rows that see no key: SDPA's forward gives them 0, but its cuDNN backward returned NaN
+    # gradients for them (H100, torch 2.11). They attend to every key instead and their output
+    # is zeroed, which makes every gradient through them exactly 0 (a sink column keeps every
+    # row alive). One more pass over the mask, only when there is one.
+    dead = None
+    if mask is not None and sinks is None:
+        live = mask if mask.dtype == torch.bool else mask != float("-inf")
+        dead = ~live.any(-1, keepdim=True)
+        mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa,
     )  # fmt: skip
+    return out if dead is None else out.masked_fill(dead, 0.0)
 
 
 def _torch_varlen(
