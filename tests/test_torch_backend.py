@@ -56,6 +56,37 @@ def test_attention_fully_masked_rows():
     assert not q.grad.isnan().any()
 
 
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_attention_dead_rows_never_reach_sdpa_as_fully_masked(monkeypatch, float_mask):
+    """An SDPA whose fully masked rows are NaN (cuDNN's backward did that on the H100, torch
+    2.11): the torch backend still returns 0 output and 0 gradients there, NaN nowhere."""
+    import torch.nn.functional as F
+
+    def nan_on_dead_rows(q, k, v, attn_mask=None, scale=None, **_):
+        scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+        return torch.softmax(scores, dim=-1) @ v  # NaN where a row has no key
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", nan_on_dead_rows)
+    s = AttentionShape(B=1, Hq=2, Hkv=2, Tq=6, Tk=5, D=8, Dv=8)
+    q, k, v = make_qkv(s, torch.float32, "cpu", requires_grad=True)
+    keep = torch.rand(6, 5) > 0.3
+    keep[1] = keep[4] = False
+    keep[0, 0] = True  # row 0 keeps a key either way
+    mask = keep if not float_mask else torch.zeros(6, 5).masked_fill(~keep, float("-inf"))
+    out = fusedattn.attention(q, k, v, attn_mask=mask, backend="torch")
+    out.sum().backward()
+    assert not out.isnan().any() and (out[:, :, [1, 4]] == 0).all()
+    assert (q.grad[:, :, [1, 4]] == 0).all()
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all()
+    want = reference.attention(q.double(), k.double(), v.double(), attn_mask=keep)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [1, 7, 127, 1000, 4097])
 def test_layer_norm_kx(N, dtype):
