@@ -61,6 +61,11 @@ def implementations(op: str, device, quick: bool = True) -> dict:
         ours = lambda x, w, b, be: fusedattn.rms_norm(x, x.shape[-1:], w, EPS, backend=be)  # noqa: E731
     impls = {"naive": naive, "torch": eager}
     if device.type == "cuda":
+        # The harness times the backward with retain_graph=True (one forward, many backwards),
+        # which AOTAutograd's donated buffers refuse.
+        import torch._functorch.config
+
+        torch._functorch.config.donated_buffer = False
         compiled = torch.compile(eager)
         impls["torch-compile"] = lambda x, w, b: compiled(x, w, b)
         impls |= liger_impls(op)
