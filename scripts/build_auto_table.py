@@ -62,7 +62,8 @@ def row_key(r: dict) -> tuple | None:
         key = auto.attention_key_of(r["dtype"], int(r["D"]), r["causal"] == "True", mask,
                                     int(r["Tk"]))  # fmt: skip
     else:
-        key = auto.rowwise_key_of(r["dtype"], int(r["N"]))
+        mask = (r.get("mask") or "none") if op == "softmax" else None
+        key = auto.rowwise_key_of(r["dtype"], int(r["N"]), mask)
     return op, (r["mode"], *key)
 
 

@@ -43,8 +43,12 @@ def test_call_keys_read_only_shapes_and_flags():
                         (dict(sinks=torch.zeros(2)), "variant")):  # fmt: skip
         assert auto.call_key("attention", attention_inputs(*qkv(), **extra))[4] == kind
     x = torch.randn(8, 4096)
-    assert auto.call_key("softmax", dict(x=x, dim=1, mask=None, scale=None, is_causal=False)) == (
-        "fwd", "float32", "<=4k")  # fmt: skip
+    sm = dict(x=x, dim=1, mask=None, scale=None, is_causal=False)
+    assert auto.call_key("softmax", sm) == ("fwd", "float32", "none", "<=4k")
+    keep = torch.ones(8, 4096, dtype=torch.bool)
+    assert auto.call_key("softmax", sm | dict(mask=keep)) == ("fwd", "float32", "bool", "<=4k")
+    assert auto.call_key("softmax", sm | dict(mask=keep.float()))[2] == "other"
+    assert auto.call_key("softmax", sm | dict(is_causal=True))[2] == "other"
     norm = dict(x=x, normalized_shape=(4096,), weight=None, eps=1e-5)
     assert auto.call_key("rms_norm", norm) == ("fwd", "float32", "<=4k")
 

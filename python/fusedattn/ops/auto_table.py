@@ -3,7 +3,7 @@
 Keys: (mode, *bucket) with the buckets of fusedattn.ops.auto; values: backends fastest
 first."""
 
-SOURCE = 'benchmarks/results/h200 (2026-11-26), margin 3%, excluded as stale: fusedattn-cuda (attention), fusedattn-triton (attention); 0 keys put a fusedattn kernel ahead of torch'
+SOURCE = 'benchmarks/results/h200, benchmarks/results/h100 (2026-11-26), margin 3%, excluded as stale: fusedattn-cuda (attention), fusedattn-triton (attention); 25 keys put a fusedattn kernel ahead of torch'
 
 TABLE = {'sm_90': {'attention': {('fwd', 'bfloat16', 64, False, 'key_padding', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 64, False, 'key_padding', '<=4k'): ('torch',),
@@ -36,4 +36,36 @@ TABLE = {'sm_90': {'attention': {('fwd', 'bfloat16', 64, False, 'key_padding', '
                          ('fwd+bwd', 'bfloat16', 128, True, 'key_padding', '<=1k'): ('torch',),
                          ('fwd+bwd', 'bfloat16', 128, True, 'key_padding', '<=4k'): ('torch',),
                          ('fwd+bwd', 'bfloat16', 128, True, 'none', '<=1k'): ('torch',),
-                         ('fwd+bwd', 'bfloat16', 128, True, 'none', '<=4k'): ('torch',)}}}
+                         ('fwd+bwd', 'bfloat16', 128, True, 'none', '<=4k'): ('torch',)},
+           'layer_norm': {('fwd', 'bfloat16', '<=1k'): ('triton', 'torch'),
+                          ('fwd', 'bfloat16', '<=4k'): ('triton', 'torch'),
+                          ('fwd', 'bfloat16', '<=8k'): ('triton', 'torch'),
+                          ('fwd', 'bfloat16', '>8k'): ('triton', 'torch'),
+                          ('fwd+bwd', 'bfloat16', '<=1k'): ('torch',),
+                          ('fwd+bwd', 'bfloat16', '<=4k'): ('torch',),
+                          ('fwd+bwd', 'bfloat16', '<=8k'): ('triton', 'torch'),
+                          ('fwd+bwd', 'bfloat16', '>8k'): ('torch',)},
+           'rms_norm': {('fwd', 'bfloat16', '<=1k'): ('triton', 'torch'),
+                        ('fwd', 'bfloat16', '<=4k'): ('triton', 'cuda', 'torch'),
+                        ('fwd', 'bfloat16', '<=8k'): ('triton', 'cuda', 'torch'),
+                        ('fwd', 'bfloat16', '>8k'): ('triton', 'torch'),
+                        ('fwd+bwd', 'bfloat16', '<=1k'): ('torch',),
+                        ('fwd+bwd', 'bfloat16', '<=4k'): ('torch',),
+                        ('fwd+bwd', 'bfloat16', '<=8k'): ('torch',),
+                        ('fwd+bwd', 'bfloat16', '>8k'): ('torch',)},
+           'softmax': {('fwd', 'bfloat16', 'bool', '<=1k'): ('triton', 'torch'),
+                       ('fwd', 'bfloat16', 'bool', '<=4k'): ('triton', 'cuda', 'torch'),
+                       ('fwd', 'bfloat16', 'bool', '<=8k'): ('triton', 'cuda', 'torch'),
+                       ('fwd', 'bfloat16', 'bool', '>8k'): ('triton', 'torch'),
+                       ('fwd', 'bfloat16', 'none', '<=1k'): ('triton', 'cuda', 'torch'),
+                       ('fwd', 'bfloat16', 'none', '<=4k'): ('cuda', 'triton', 'torch'),
+                       ('fwd', 'bfloat16', 'none', '<=8k'): ('triton', 'cuda', 'torch'),
+                       ('fwd', 'bfloat16', 'none', '>8k'): ('triton', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'bool', '<=1k'): ('triton', 'cuda', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'bool', '<=4k'): ('triton', 'cuda', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'bool', '<=8k'): ('triton', 'cuda', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'bool', '>8k'): ('triton', 'cuda', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'none', '<=1k'): ('cuda', 'triton', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'none', '<=4k'): ('cuda', 'triton', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'none', '<=8k'): ('cuda', 'triton', 'torch'),
+                       ('fwd+bwd', 'bfloat16', 'none', '>8k'): ('cuda', 'torch')}}}
