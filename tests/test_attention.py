@@ -187,6 +187,19 @@ def test_config_is_a_pure_function():
         128, 128, fp32, fp32, fp32
     )
     assert K.attention_config(128, 128, False, ieee_fp32=True).fwd == cpu
+    # Hopper, 2-byte dtypes, head dims 64-128: the tiles tune_triton_attention.py measured
+    wide, dkdv128 = K.Tiles(128, 64, 8, 3), K.Tiles(64, 128, 8, 3)
+    hopper128 = K.attention_config(128, 128, True, arch=90)
+    assert (hopper128.fwd, hopper128.dq, hopper128.dkdv) == (wide, gpu, dkdv128)
+    hopper64 = K.attention_config(64, 64, True, arch=90)
+    assert (hopper64.fwd, hopper64.dq, hopper64.dkdv) == (wide, wide, gpu)
+    assert K.attention_config(128, 128, True, elem_bytes=4, arch=90).fwd == gpu  # smem: fp32
+    assert K.attention_config(128, 128, True, arch=86).fwd == gpu  # 99 KB of shared memory
+    assert K.attention_config(256, 256, True, arch=90).fwd.block_n == 32
+    assert K.attention_config(32, 32, True, arch=90).fwd == gpu
+    # head dim 16: a 1-stage forward (ptxas segfaulted on the 2-stage varlen forward, sm_90a)
+    d16 = K.attention_config(16, 16, True, arch=90)
+    assert (d16.fwd.num_stages, d16.dq, d16.dkdv) == (1, gpu, gpu)
 
 
 def test_torch_compile_fullgraph_sees_one_custom_op():

@@ -60,14 +60,23 @@ class AttentionConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def attention_config(D: int, Dv: int, on_gpu: bool, ieee_fp32: bool = False) -> AttentionConfig:
+def attention_config(
+    D: int, Dv: int, on_gpu: bool, ieee_fp32: bool = False, elem_bytes: int = 2, arch: int = 0
+) -> AttentionConfig:
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
-    fast and cross several blocks. GPU tiles are a safe starting point for sm_80/sm_90
-    (64x64, 4 warps, 2 stages; 32-wide key tiles past D=128 to stay in registers) until the
-    Hopper tuning of issue #12 (scripts/tune_triton_attention.py) measures others.
-    ieee_fp32 (fp32 inputs with TF32 off: the dots run on FMA units, operands in registers):
-    32x16 tiles; at 64x64 the D=128 kernels spilled 55-135 KB per thread on sm_90 (Triton 3.6),
-    at 32x16 the forward and dq none and dk/dv 1.3 KB."""
+    fast and cross several blocks. elem_bytes: q's element size; arch: the GPU's compute
+    capability as 10 * major + minor (0: unknown).
+    - Hopper (arch >= 90), 2-byte dtypes, padded head dims 64-128: the tiles
+      scripts/tune_triton_attention.py measured fastest (H100, Triton 3.6, B=4 H=16 T=4096,
+      benchmarks/results/h100/tune_triton_attention.csv): forward 128x64 / 8 warps / 3 stages
+      (1.10-1.18x the 64x64 tiles at D=128 and 64, causal or not); dq the same at D<=64
+      (1.06-1.11x; at D=128 64x64 stays: 128x64 ran 0.97x); dk/dv 64(q)x128(k) / 8 warps /
+      3 stages at D=128 (1.04-1.08x; at D=64 it ran 0.94x). Their shared memory (up to 160 KB)
+      needs Hopper's 227 KB, which sm_80's 164 KB holds only in part and sm_86/89's 99 KB not.
+    - Otherwise 64x64, 4 warps, 2 stages (32-wide key tiles past D=128 to stay in registers).
+    - ieee_fp32 (fp32 inputs with TF32 off: the dots run on FMA units, operands in registers):
+      32x16 tiles; at 64x64 the D=128 kernels spilled 55-135 KB per thread on sm_90 (Triton
+      3.6), at 32x16 the forward and dq none and dk/dv 1.3 KB."""
     bd = max(16, triton.next_power_of_2(D))
     bdv = max(16, triton.next_power_of_2(Dv))
     if not on_gpu:
@@ -76,9 +85,23 @@ def attention_config(D: int, Dv: int, on_gpu: bool, ieee_fp32: bool = False) -> 
     if ieee_fp32:
         fp32 = Tiles(32, 16, 4, 2)
         return AttentionConfig(bd, bdv, fp32, fp32, fp32)
-    block_n = 64 if max(bd, bdv) <= 128 else 32
+    widest = max(bd, bdv)
+    block_n = 64 if widest <= 128 else 32
     gpu = Tiles(64, block_n, 4, 2)
-    return AttentionConfig(bd, bdv, gpu, gpu, gpu)
+    if min(bd, bdv) == 16:
+        # ptxas (Triton 3.6, sm_90a) segfaulted compiling the varlen forward at head dim 16
+        # with 2 stages (test_tma_forward_leaves_varlen_on_pointers on the H100; reproduced
+        # by the sm_90 static screen, which compiles it at 1 stage, and the dense forward and
+        # the backward kernels at 2). 16-wide tiles are 2 KB: the pipeline buys little there.
+        return AttentionConfig(bd, bdv, fwd=Tiles(64, block_n, 4, 1), dkdv=gpu, dq=gpu)
+    if arch < 90 or elem_bytes != 2 or not 64 <= widest <= 128:
+        return AttentionConfig(bd, bdv, gpu, gpu, gpu)
+    wide = Tiles(128, 64, 8, 3)
+    return AttentionConfig(
+        bd, bdv, fwd=wide,
+        dkdv=Tiles(64, 128, 8, 3) if widest == 128 else gpu,
+        dq=wide if widest <= 64 else gpu,
+    )  # fmt: skip
 
 
 # ---- helpers ---------------------------------------------------------------------------------

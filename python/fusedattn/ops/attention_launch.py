@@ -8,9 +8,25 @@ argument lists for sm_90 without a GPU (`config=` there picks the tiles to scree
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .rowwise import kernels
+
+
+@functools.cache
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def device_arch(device: torch.device) -> int:
+    """10 * major + minor of a CUDA device's compute capability (cached: the host path pays a
+    dict lookup); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_arch(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def dot_flags(q: torch.Tensor) -> dict:
@@ -125,8 +141,9 @@ class TritonAttentionLaunch:
         self.alibi_stride = 0 if self.slopes is None or self.slopes.dim() == 1 else self.H
         self.K = kernels("attention")
         self.cfg = config or self.K.attention_config(
-            self.D, self.Dv, q.is_cuda, ieee_fp32=flags["PRECISION"] == "ieee"
-        )
+            self.D, self.Dv, q.is_cuda, ieee_fp32=flags["PRECISION"] == "ieee",
+            elem_bytes=q.element_size(), arch=device_arch(q.device),
+        )  # fmt: skip
 
     def tiles(self, kernel: str) -> dict:
         t = getattr(self.cfg, kernel)
