@@ -58,7 +58,7 @@ def _load_tool(path: str):
     return tool
 
 
-def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None) -> dict:
+def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, D: int = D) -> dict:
     """Compile one kernel of one variant for sm_90; its resources and inner loops."""
     tool = _load_tool(tool_path)
     import torch
@@ -67,7 +67,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None) 
     from fusedattn.triton_kernels import attention as A
 
     v = VARIANTS[variant]
-    cfg = A.attention_config(D, D, on_gpu=True)
+    cfg = A.attention_config(D, D, on_gpu=True, arch=90)  # the tiles an sm_90 card gets
     if tiles is not None:
         cfg = dataclasses.replace(cfg, **{kernel: A.Tiles(*tiles)})
     bf16 = dict(dtype=torch.bfloat16)
@@ -108,6 +108,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None) 
     t = getattr(cfg, kernel)
     row = dict(
         variant=variant,
+        head_dim=D,
         kernel=kernel,
         tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}{'t' if t.tma else ''}",
     )
@@ -135,13 +136,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", type=parse_tiles, action="append", default=[],
                         help="KERNEL=BMxBNwWsS, repeatable; default: the shipped tiles")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--head-dim", type=int, default=D, help="D = Dv")
     parser.add_argument("--csv", help="write the rows here too")
     args = parser.parse_args(argv)
     jobs = []
     for variant in args.variants.split(","):
         for kernel in args.kernels.split(","):
             mine = [t for k, t in args.tiles if k == kernel] or [None]
-            jobs += [(args.tool, variant, kernel, t) for t in mine]
+            jobs += [(args.tool, variant, kernel, t, args.head_dim) for t in mine]
     rows = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(compile_one, *job): job for job in jobs}

@@ -242,7 +242,9 @@ def test_dropout_with_window_and_sinks_matches_float64_with_the_kernels_mask():
                                 sinks=sinks.double())  # fmt: skip
     kept = dropped != 0
     assert abs(kept[probs > 0].float().mean().item() - 0.75) < 0.05
-    torch.testing.assert_close(dropped[kept].double(), probs[kept] / 0.75)
+    # fp32 probabilities: on the H100 one differed from float64 by 2.6e-7 (exp2 in fp32), past
+    # assert_close's float64 defaults (1e-7); a wrong mask or scale is off by far more.
+    torch.testing.assert_close(dropped[kept].double(), probs[kept] / 0.75, rtol=1e-5, atol=1e-6)
     v = torch.randn(1, 2, 48, 16, requires_grad=True)
     qg = q.clone().requires_grad_()
     torch.manual_seed(3)
