@@ -8,8 +8,9 @@
 #   check   (default) build info triton-tests cuda-tests bench-attention
 #   measure build tune-triton bench-norms bench-model host
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
-# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1) and tune-norms (the Triton
-# LayerNorm/RMSNorm/softmax warp counts and backward row paths).
+# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-norms (the Triton
+# LayerNorm/RMSNorm/softmax warp counts and backward row paths) and profile-norms (where the
+# Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -101,5 +102,6 @@ if [[ $steps == *" profile "* ]]; then
 fi
 step tune-cuda 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
 step tune-norms 240 $PYTHON scripts/tune_norms.py --out "$out_dir"
+step profile-norms 120 $PYTHON scripts/profile_norms.py --n 1024,4096,32768
 echo "== gpu-check done: status $status; files in $out_dir"
 exit "$status"
