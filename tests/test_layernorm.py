@@ -177,6 +177,23 @@ def test_cuda_backend_kx(N, dtype):
         check(x, *param_pair(layout, N), backend="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [8, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 32776])
+def test_cuda_fast_path_rows_kx(N, dtype):
+    """Aligned unit-stride rows take the CUDA fast path (the row read once into registers,
+    layernorm_rows.cuh) for the forward and dx: every row shape it launches (a warp with 1-4
+    vectors per lane, 128-512 threads with 2-8, dy read twice at 8), with and without
+    parameters, a sliced row view whose row starts stay 16-byte aligned, and parameters 4 bytes
+    off alignment (the general kernels). 32776, and fp32 past 16384, take the general ones."""
+    x = (torch.randn(4, 3, N) * 2 + 1).to(dtype)
+    check(x, torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype), backend="cuda")
+    check(x, backend="cuda")
+    wide = (torch.randn(4, 3, N + 8) * 2 + 1).to(dtype)
+    check(wide[..., :N], torch.randn(N), torch.randn(N), backend="cuda")
+    check(x, torch.randn(N + 1)[1:], torch.randn(N + 1)[1:], backend="cuda")
+
+
 def test_cuda_backend_refuses_what_it_cannot_run(monkeypatch):
     from fusedattn.ops import rowwise
 

@@ -153,6 +153,21 @@ def test_cuda_backend_kx(N, dtype):
     check(x, None, backend="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [8, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 32776])
+def test_cuda_fast_path_rows_kx(N, dtype):
+    """RMS through the CUDA fast path (layernorm_rows.cuh) at every row shape it launches,
+    with and without a weight, a sliced row view with aligned row starts, and a weight 4 bytes
+    off alignment (the general kernels)."""
+    x = (torch.randn(4, 3, N, device="cuda") * 2 + 1).to(dtype)
+    check(x, torch.randn(N, device="cuda", dtype=dtype), backend="cuda")
+    check(x, None, backend="cuda")
+    wide = (torch.randn(4, 3, N + 8, device="cuda") * 2 + 1).to(dtype)
+    check(wide[..., :N], torch.randn(N, device="cuda"), backend="cuda")
+    check(x, torch.randn(N + 1, device="cuda")[1:], backend="cuda")
+
+
 # ---- modules and swap ---------------------------------------------------------------------------
 
 

@@ -4,9 +4,9 @@
 // beyond. Statistics are fp32 and two-pass (mean, then centred variance: no cancellation). Loads
 // are 16-byte vectors when the row length and alignment allow, scalar otherwise. The backward
 // writes dx per row and fp32 partial dweight/dbias per row group, reduced by a second kernel
-// in group order: deterministic, no atomics.
-//
-// Tile choices are a starting point, not yet measured on a GPU (issue #6).
+// in group order: deterministic, no atomics. Aligned rows up to 32768 elements take the fast
+// path of layernorm_rows.cuh instead (the row read once, held in registers) for the forward
+// and the backward's dx; these kernels keep the rest (unaligned or longer rows).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -15,6 +15,7 @@
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "layernorm/layernorm.h"
+#include "layernorm/layernorm_rows.cuh"
 
 namespace fusedattn {
 namespace {
@@ -211,6 +212,7 @@ void launch_row_kernel(void (*kernel)(LayerNormParams), const LayerNormParams& p
 void layer_norm_forward(const LayerNormParams& p, cudaStream_t stream) {
   if (p.rows == 0) return;
   FLOATING_SWITCH(p.dtype, T, [&] {
+    if (layernorm_rows::run<T>(false, p, stream)) return;
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = vector_width<T>(p) == kVec;
     BOOL_SWITCH(p.n <= kWarpRowMax, kWarpPerRow, [&] {
@@ -229,15 +231,17 @@ void layer_norm_backward(const LayerNormParams& p, cudaStream_t stream) {
   FLOATING_SWITCH(p.dtype, T, [&] {
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = vector_width<T>(p) == kVec;
-    BOOL_SWITCH(p.n <= kWarpRowMax, kWarpPerRow, [&] {
-      if (vec) {
-        launch_row_kernel<T, kVec, kWarpPerRow>(layer_norm_bwd_dx_kernel<T, kVec, kWarpPerRow>, p,
-                                                stream);
-      } else {
-        launch_row_kernel<T, 1, kWarpPerRow>(layer_norm_bwd_dx_kernel<T, 1, kWarpPerRow>, p,
-                                             stream);
-      }
-    });
+    if (!layernorm_rows::run<T>(true, p, stream)) {
+      BOOL_SWITCH(p.n <= kWarpRowMax, kWarpPerRow, [&] {
+        if (vec) {
+          launch_row_kernel<T, kVec, kWarpPerRow>(layer_norm_bwd_dx_kernel<T, kVec, kWarpPerRow>, p,
+                                                  stream);
+        } else {
+          launch_row_kernel<T, 1, kWarpPerRow>(layer_norm_bwd_dx_kernel<T, 1, kWarpPerRow>, p,
+                                               stream);
+        }
+      });
+    }
     if (p.dweight_partial != nullptr) {
       const dim3 grid(static_cast<unsigned>((p.n + kParamThreads - 1) / kParamThreads),
                       static_cast<unsigned>(p.groups));

@@ -1,0 +1,270 @@
+// The LayerNorm/RMSNorm fast path: rows of unit column stride whose starts, weight and bias are
+// 16-byte aligned and whose length is whole 16-byte vectors, up to 32768 elements (2-byte
+// types; 16384 fp32). Each thread loads its slice of the row once, as 16-byte vectors held raw
+// in registers (4 registers per vector, converted to fp32 at each use), so the forward reads x
+// once and the backward's dx kernel reads x and dy once (dy twice past 16384 elements). A warp per
+// row up to 1024 elements (2-byte types), a block of 128 to 512 threads per row beyond: the shapes
+// of the softmax fast path (softmax_rows.cuh). Everything else takes the general kernels of
+// layernorm.cu.
+//
+// Why: the general forward reads x three times (mean, variance, normalise) with one load in
+// flight per pass and thread; on the H100 it ran 1317-1547 GB/s at N = 1024-32768 against a
+// 2960 GB/s copy, while the softmax fast path, built like this, ran 2232-2784 up to 8192
+// (benchmarks/results/h100). Not yet timed on a GPU.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "common/cuda_check.h"
+#include "common/dtype.cuh"
+#include "common/reduce.cuh"
+#include "layernorm/layernorm.h"
+
+namespace fusedattn {
+namespace layernorm_rows {
+
+constexpr int kWarpRowsPerBlock = 4;
+constexpr int kMaxRowThreads = 512, kMaxVecs = 8;
+
+template <int kRowThreads>
+constexpr int block_threads() {
+  return kRowThreads == kWarpSize ? kWarpRowsPerBlock * kWarpSize : kRowThreads;
+}
+
+// The row this thread works on and its index within the row's threads; false past the end
+// (uniform per warp with a warp per row; a block per row never passes it).
+template <int kRowThreads>
+__device__ __forceinline__ bool my_row(int64_t rows, int64_t& row, int& t) {
+  if (kRowThreads == kWarpSize) {
+    row = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarpSize;
+    t = threadIdx.x % kWarpSize;
+  } else {
+    row = blockIdx.x;
+    t = threadIdx.x;
+  }
+  return row < rows;
+}
+
+template <int kRowThreads>
+__device__ __forceinline__ float row_sum(float v, float* scratch) {
+  return kRowThreads == kWarpSize ? warp_sum(v) : block_sum(v, scratch);
+}
+
+// A 16-byte vector of T, raw; element j in fp32.
+template <typename T>
+__device__ __forceinline__ float element(const uint4& raw, int j) {
+  return to_float(reinterpret_cast<const T*>(&raw)[j]);
+}
+
+// kElems fp32 parameters from a 16-byte aligned address (kElems / 4 float4 loads); 1 without.
+template <int kElems>
+__device__ __forceinline__ void load_params(float (&out)[kElems], const float* src) {
+#pragma unroll
+  for (int j = 0; j < kElems; j += 4) {
+    const float4 f = *reinterpret_cast<const float4*>(src + j);
+    out[j] = f.x;
+    out[j + 1] = f.y;
+    out[j + 2] = f.z;
+    out[j + 3] = f.w;
+  }
+}
+
+// Column (element) where this thread's vector i starts; the row ends at n.
+template <int kRowThreads, int kElems>
+__device__ __forceinline__ int column(int t, int i) {
+  return (t + i * kRowThreads) * kElems;
+}
+
+// y = (x - mean) * rstd * weight + bias; mean and rstd written per row (fp32, two passes over
+// the registers: no cancellation). RMSNorm (p.rms): mean 0, no bias.
+template <typename T, int kRowThreads, int kVecs>
+__global__ void __launch_bounds__(block_threads<kRowThreads>())
+    layer_norm_fwd_rows_kernel(const LayerNormParams p) {
+  constexpr int kElems = 16 / sizeof(T);
+  __shared__ float scratch[kWarpSize];
+  int64_t row;
+  int t;
+  if (!my_row<kRowThreads>(p.rows, row, t)) return;
+  const int n = static_cast<int>(p.n);  // <= 32768 (takes)
+  const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
+  T* y = static_cast<T*>(p.y) + row * p.n;
+
+  uint4 xv[kVecs];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int col = column<kRowThreads, kElems>(t, i);
+    if (col < n) {
+      xv[i] = *reinterpret_cast<const uint4*>(x + col);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) sum += element<T>(xv[i], j);
+    }
+  }
+  const float mean = p.rms ? 0.f : row_sum<kRowThreads>(sum, scratch) / n;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    if (column<kRowThreads, kElems>(t, i) < n) {
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        const float d = element<T>(xv[i], j) - mean;
+        sq += d * d;
+      }
+    }
+  }
+  const float rstd = 1.f / sqrtf(row_sum<kRowThreads>(sq, scratch) / n + p.eps);
+
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int col = column<kRowThreads, kElems>(t, i);
+    if (col < n) {
+      float w[kElems], b[kElems];
+      if (p.weight) load_params<kElems>(w, p.weight + col);
+      if (p.bias) load_params<kElems>(b, p.bias + col);
+      uint4 out;
+      T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        float v = (element<T>(xv[i], j) - mean) * rstd;
+        if (p.weight) v *= w[j];
+        if (p.bias) v += b[j];
+        o[j] = from_float<T>(v);
+      }
+      *reinterpret_cast<uint4*>(y + col) = out;
+    }
+  }
+  if (t == 0) {
+    p.mean[row] = mean;
+    p.rstd[row] = rstd;
+  }
+}
+
+// dx = (w*dy - (xhat * mean(xhat*w*dy) + mean(w*dy))) * rstd, x and dy read once (RMSNorm:
+// without the mean(w*dy) term), except at 8 vectors per thread (512-thread blocks, rows past
+// 16384 elements), where dy is read again rather than held: holding it took the 128 registers
+// a 512-thread block allows and spilled 38 B (sm_90a). The parameter gradients stay with
+// layer_norm_bwd_params_kernel.
+template <typename T, int kRowThreads, int kVecs>
+__global__ void __launch_bounds__(block_threads<kRowThreads>())
+    layer_norm_bwd_dx_rows_kernel(const LayerNormParams p) {
+  constexpr int kElems = 16 / sizeof(T);
+  constexpr bool kHoldDy = kVecs <= 4;
+  __shared__ float scratch[kWarpSize];
+  int64_t row;
+  int t;
+  if (!my_row<kRowThreads>(p.rows, row, t)) return;
+  const int n = static_cast<int>(p.n);
+  const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
+  const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
+  T* dx = static_cast<T*>(p.dx) + row * p.n;
+  const float mean = p.rms ? 0.f : p.mean[row];
+  const float rstd = p.rstd[row];
+
+  uint4 xv[kVecs], dv[kHoldDy ? kVecs : 1];
+  float c1 = 0.f, c2 = 0.f;  // sums of xhat * w * dy and of w * dy
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int col = column<kRowThreads, kElems>(t, i);
+    if (col < n) {
+      uint4& d = dv[kHoldDy ? i : 0];
+      xv[i] = *reinterpret_cast<const uint4*>(x + col);
+      d = *reinterpret_cast<const uint4*>(dy + col);
+      float w[kElems];
+      if (p.weight) load_params<kElems>(w, p.weight + col);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        const float wdy = element<T>(d, j) * (p.weight ? w[j] : 1.f);
+        c1 += (element<T>(xv[i], j) - mean) * rstd * wdy;
+        c2 += wdy;
+      }
+    }
+  }
+  c1 = row_sum<kRowThreads>(c1, scratch) / n;
+  c2 = p.rms ? 0.f : row_sum<kRowThreads>(c2, scratch) / n;
+
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int col = column<kRowThreads, kElems>(t, i);
+    if (col < n) {
+      uint4& d = dv[kHoldDy ? i : 0];
+      if (!kHoldDy) d = *reinterpret_cast<const uint4*>(dy + col);
+      float w[kElems];
+      if (p.weight) load_params<kElems>(w, p.weight + col);
+      uint4 out;
+      T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        const float wdy = element<T>(d, j) * (p.weight ? w[j] : 1.f);
+        const float xhat = (element<T>(xv[i], j) - mean) * rstd;
+        o[j] = from_float<T>((wdy - (xhat * c1 + c2)) * rstd);
+      }
+      *reinterpret_cast<uint4*>(dx + col) = out;
+    }
+  }
+}
+
+// Whether the fast path takes these rows: unit column stride (the caller's layout), every row
+// start, weight, bias (and dy, dx) 16-byte aligned, N whole vectors and at most one row's
+// register capacity (kMaxVecs vectors of kMaxRowThreads threads).
+template <typename T>
+bool takes(const LayerNormParams& p, bool backward) {
+  constexpr int kElems = 16 / sizeof(T);
+  if (p.n <= 0 || p.n % kElems || p.n > int64_t{kMaxRowThreads} * kMaxVecs * kElems) return false;
+  const auto aligned = [](const void* ptr) {
+    return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  };
+  if (!aligned(p.x) || !aligned(p.weight) || !aligned(p.bias) || p.x_row_stride % kElems) {
+    return false;
+  }
+  if (backward) return aligned(p.dy) && aligned(p.dx) && p.dy_row_stride % kElems == 0;
+  return aligned(p.y);
+}
+
+template <typename T, int kRowThreads, int kVecs>
+void launch(bool backward, const LayerNormParams& p, cudaStream_t stream) {
+  const int64_t blocks =
+      kRowThreads == kWarpSize ? (p.rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock : p.rows;
+  if (blocks > 0x7fffffff) throw std::invalid_argument("layer_norm: more rows than a grid holds");
+  const dim3 grid(static_cast<unsigned>(blocks)), block(block_threads<kRowThreads>());
+  if (backward) {
+    layer_norm_bwd_dx_rows_kernel<T, kRowThreads, kVecs><<<grid, block, 0, stream>>>(p);
+  } else {
+    layer_norm_fwd_rows_kernel<T, kRowThreads, kVecs><<<grid, block, 0, stream>>>(p);
+  }
+  FUSEDATTN_LAUNCH_CHECK();
+}
+
+// Runs the fast path (the forward, or the backward's dx) when it takes the rows; false
+// otherwise (nothing launched). Row lengths in 16-byte vectors pick the smallest shape that
+// holds the row: a warp with 1, 2 or 4 vectors per lane, then 128, 256 or 512 threads with
+// 2 to 8.
+template <typename T>
+bool run(bool backward, const LayerNormParams& p, cudaStream_t stream) {
+  if (!takes<T>(p, backward)) return false;
+  const int64_t vecs = p.n / (16 / sizeof(T));
+  if (vecs <= 32) {
+    launch<T, 32, 1>(backward, p, stream);
+  } else if (vecs <= 64) {
+    launch<T, 32, 2>(backward, p, stream);
+  } else if (vecs <= 128) {
+    launch<T, 32, 4>(backward, p, stream);
+  } else if (vecs <= 256) {
+    launch<T, 128, 2>(backward, p, stream);
+  } else if (vecs <= 512) {
+    launch<T, 128, 4>(backward, p, stream);
+  } else if (vecs <= 1024) {
+    launch<T, 256, 4>(backward, p, stream);
+  } else if (vecs <= 2048) {
+    launch<T, 512, 4>(backward, p, stream);
+  } else {
+    launch<T, 512, 8>(backward, p, stream);
+  }
+  return true;
+}
+
+}  // namespace layernorm_rows
+}  // namespace fusedattn
