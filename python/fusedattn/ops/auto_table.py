@@ -3,7 +3,7 @@
 Keys: (mode, *bucket) with the buckets of fusedattn.ops.auto; values: backends fastest
 first."""
 
-SOURCE = 'benchmarks/results/h200, benchmarks/results/h100 (2026-11-26), margin 3%, excluded as stale: fusedattn-cuda (attention), fusedattn-triton (attention); 25 keys put a fusedattn kernel ahead of torch'
+SOURCE = 'benchmarks/results/h200, benchmarks/results/h100 (2026-11-26), margin 3%, excluded as stale: fusedattn-cuda (attention), fusedattn-cuda (layer_norm), fusedattn-cuda (rms_norm), fusedattn-triton (attention); 25 keys put a fusedattn kernel ahead of torch'
 
 TABLE = {'sm_90': {'attention': {('fwd', 'bfloat16', 64, False, 'key_padding', '<=1k'): ('torch',),
                          ('fwd', 'bfloat16', 64, False, 'key_padding', '<=4k'): ('torch',),
@@ -46,8 +46,8 @@ TABLE = {'sm_90': {'attention': {('fwd', 'bfloat16', 64, False, 'key_padding', '
                           ('fwd+bwd', 'bfloat16', '<=8k'): ('triton', 'torch'),
                           ('fwd+bwd', 'bfloat16', '>8k'): ('torch',)},
            'rms_norm': {('fwd', 'bfloat16', '<=1k'): ('triton', 'torch'),
-                        ('fwd', 'bfloat16', '<=4k'): ('triton', 'cuda', 'torch'),
-                        ('fwd', 'bfloat16', '<=8k'): ('triton', 'cuda', 'torch'),
+                        ('fwd', 'bfloat16', '<=4k'): ('triton', 'torch'),
+                        ('fwd', 'bfloat16', '<=8k'): ('triton', 'torch'),
                         ('fwd', 'bfloat16', '>8k'): ('triton', 'torch'),
                         ('fwd+bwd', 'bfloat16', '<=1k'): ('torch',),
                         ('fwd+bwd', 'bfloat16', '<=4k'): ('torch',),
