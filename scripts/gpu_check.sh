@@ -5,7 +5,7 @@
 # installed for the norm baselines). Each step has a time limit; a failing step does not stop
 # the others. GPU_CHECK_STEPS picks steps, in this order; two presets fit one device call
 # (at most 8 minutes) each:
-#   check   (default) build info triton-tests cuda-tests bench-attention
+#   check   (default) build info gpu-tests bench-attention
 #   measure build tune-triton bench-norms bench-model host
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
 # tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-norms (the Triton
@@ -22,7 +22,7 @@ exec > >(tee "$out_dir/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}  # the GPU image has python3 only
 case "${GPU_CHECK_STEPS:-check}" in
-  check) steps=" build info triton-tests cuda-tests bench-attention " ;;
+  check) steps=" build info gpu-tests bench-attention " ;;
   measure) steps=" build tune-triton bench-norms bench-model host " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
@@ -41,21 +41,46 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 # N pytest processes over one test selection (every N-th test each): the Triton kernels of
-# the test grid compile in parallel on the machine's cores. Logs per shard in $out_dir.
+# the test grid compile in parallel on the machine's cores. One log per selection in $out_dir
+# (the device tool returns 8 files at most: per-shard logs did not all come back), written
+# also when the step's time limit stops the shards.
 sharded_pytest() {  # sharded_pytest NAME SHARDS PYTEST_ARGS...
-  local name=$1 shards=$2 pids=() rc=0
+  local name=$1 shards=$2 pids=() rc=0 logs
   shift 2
+  logs=$(mktemp -d)
+  # shellcheck disable=SC2064  # expand now: the trap runs after the locals are gone
+  trap "for f in $logs/*.log; do echo \"==> \$f\"; cat \"\$f\"; done >'$out_dir/$name.log'; exit 124" TERM
   for ((i = 0; i < shards; i++)); do
-    $PYTHON -m pytest -q -rs --tb=short --shard "$i/$shards" "$@" >"$out_dir/$name-$i.log" 2>&1 &
+    $PYTHON -m pytest -q -rs --tb=short --shard "$i/$shards" "$@" >"$logs/$i.log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  tail -n 3 "$out_dir"/"$name"-*.log
-  grep -h "^FAILED\|^ERROR" "$out_dir"/"$name"-*.log | head -40
+  for f in "$logs"/*.log; do echo "==> shard $(basename "$f" .log) of $shards"; cat "$f"; done \
+    >"$out_dir/$name.log"
+  tail -q -n 1 "$logs"/*.log
+  grep -h "^FAILED\|^ERROR" "$logs"/*.log | head -40
   return "$rc"
 }
 
-export -f sharded_pytest
+# The Triton and CUDA test selections at once (11 + 4 processes on the 16 cores): on the H100
+# the Triton grid alone did not finish in 240 s on 8 processes, and the CUDA tests took 76 s.
+gpu_tests() {
+  local rc=0
+  sharded_pytest triton 11 -m "gpu or kernels" tests/test_attention.py \
+    tests/test_attention_tma.py tests/test_attention_variants.py tests/test_empty_inputs.py \
+    tests/test_layernorm.py tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py &
+  local triton=$!
+  # The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.
+  sharded_pytest cuda 4 -m "gpu or kernels" tests/test_cuda_attention.py \
+    tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py &
+  local cuda=$!
+  trap 'kill -TERM $triton $cuda 2>/dev/null; wait; exit 124' TERM
+  wait "$triton" || rc=1
+  wait "$cuda" || rc=1
+  return "$rc"
+}
+
+export -f sharded_pytest gpu_tests
 export out_dir PYTHON
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
@@ -71,15 +96,7 @@ export FUSEDATTN_FORCE_CUDA_BUILD=1 FUSEDATTN_EXPECT_CUDA_BUILD=1
 # rebuild auto's table with scripts/build_auto_table.py. The CPU-only tests are CI's job.
 step build 150 $PYTHON -m pip install --no-build-isolation --no-deps -e . || exit 1
 step info 20 $PYTHON -m fusedattn.info
-# The Triton kernels (never run on a GPU in this form before): every kernels/gpu test of the
-# attention, its variants and the norms, 8 processes compiling at once.
-step triton-tests 240 sharded_pytest triton 8 -m "gpu or kernels" tests/test_attention.py \
-  tests/test_attention_tma.py \
-  tests/test_attention_variants.py tests/test_empty_inputs.py tests/test_layernorm.py \
-  tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py
-# The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.
-step cuda-tests 150 sharded_pytest cuda 4 -m "gpu or kernels" tests/test_cuda_attention.py \
-  tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py
+step gpu-tests 300 gpu_tests
 step bench-attention 150 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
   --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
