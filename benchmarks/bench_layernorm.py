@@ -62,10 +62,11 @@ def implementations(op: str, device, quick: bool = True) -> dict:
     impls = {"naive": naive, "torch": eager}
     if device.type == "cuda":
         # The harness times the backward with retain_graph=True (one forward, many backwards),
-        # which AOTAutograd's donated buffers refuse.
-        import torch._functorch.config
+        # which AOTAutograd's donated buffers refuse. (A name of its own: `import torch....`
+        # here would make torch local to this function.)
+        from torch._functorch import config as functorch_config
 
-        torch._functorch.config.donated_buffer = False
+        functorch_config.donated_buffer = False
         compiled = torch.compile(eager)
         impls["torch-compile"] = lambda x, w, b: compiled(x, w, b)
         impls |= liger_impls(op)

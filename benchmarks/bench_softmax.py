@@ -43,9 +43,11 @@ def implementations(device, quick: bool = True) -> dict:
 
     impls = {"naive": lambda x, keep: reference.softmax(x, -1, mask=keep), "torch": torch_softmax}
     if device.type == "cuda":
-        import torch._functorch.config  # donated buffers refuse the harness's retain_graph=True
+        # donated buffers refuse the harness's retain_graph=True (a name of its own: `import
+        # torch....` here would make torch local to this function)
+        from torch._functorch import config as functorch_config
 
-        torch._functorch.config.donated_buffer = False
+        functorch_config.donated_buffer = False
         impls["torch-compile"] = torch.compile(torch_softmax)
         if importlib.util.find_spec("liger_kernel") is not None:
             from liger_kernel.ops.softmax import LigerSoftmaxFunction
