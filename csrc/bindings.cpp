@@ -79,8 +79,6 @@ std::vector<torch::Tensor> layer_norm_bwd(const torch::Tensor& dy, const torch::
   groups = std::max<int64_t>(1, std::min<int64_t>(groups, std::max<int64_t>(M, 1)));
   auto dx = torch::empty({M, N}, x.options());
   auto fp32 = x.options().dtype(torch::kFloat32);
-  auto partial_w = param_grads ? torch::zeros({groups, N}, fp32) : torch::empty({0}, fp32);
-  auto partial_b = param_grads ? torch::zeros({groups, N}, fp32) : torch::empty({0}, fp32);
   fusedattn::LayerNormParams p{};
   p.x = x.data_ptr();
   p.dy = dy.data_ptr();
@@ -88,15 +86,19 @@ std::vector<torch::Tensor> layer_norm_bwd(const torch::Tensor& dy, const torch::
   p.weight = optional_fp32(weight, N);
   p.mean = mean.data_ptr<float>();
   p.rstd = rstd.data_ptr<float>();
-  p.dweight_partial = param_grads ? partial_w.data_ptr<float>() : nullptr;
-  p.dbias_partial = param_grads ? partial_b.data_ptr<float>() : nullptr;
   p.rows = M;
   p.n = N;
   p.x_row_stride = x.stride(0);
   p.dy_row_stride = dy.stride(0);
-  p.groups = groups;
   p.rms = rms;  // mean is then never read (RMSNorm passes rstd in its place)
   p.dtype = dtype_of(x);
+  // The fused backward (dx and the partials in one pass) sizes its own row groups.
+  if (param_grads) groups = fusedattn::layer_norm_backward_groups(p, groups);
+  auto partial_w = param_grads ? torch::zeros({groups, N}, fp32) : torch::empty({0}, fp32);
+  auto partial_b = param_grads ? torch::zeros({groups, N}, fp32) : torch::empty({0}, fp32);
+  p.dweight_partial = param_grads ? partial_w.data_ptr<float>() : nullptr;
+  p.dbias_partial = param_grads ? partial_b.data_ptr<float>() : nullptr;
+  p.groups = groups;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   fusedattn::layer_norm_backward(p, stream);
   if (!param_grads) return {dx, partial_w, partial_b};

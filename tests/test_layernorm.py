@@ -194,6 +194,27 @@ def test_cuda_fast_path_rows_kx(N, dtype):
     check(x, torch.randn(N + 1)[1:], torch.randn(N + 1)[1:], backend="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [256, 1024, 2048, 4096, 8192])
+def test_cuda_fused_backward_many_rows_kx(N, dtype):
+    """Rows well past one wave of the fused backward's row groups (layernorm_rows.cuh: each
+    group sums dweight/dbias over several rows in registers, then writes its partials once):
+    the k× rule on dx, dweight and dbias, and bitwise-equal parameter gradients on a rerun
+    (the groups' partials are summed in a fixed order). fp32 past 4096 takes the two-kernel
+    path."""
+    x = (torch.randn(3000, N) * 2 + 1).to(dtype)
+    check(x, torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype), backend="cuda")
+    w = torch.randn(N, requires_grad=True)
+    b = torch.randn(N, requires_grad=True)
+    dy = torch.randn_like(x)
+    grads = [
+        torch.autograd.grad(fusedattn.layer_norm(x, (N,), w, b, backend="cuda"), (w, b), dy)
+        for _ in range(2)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_cuda_backend_refuses_what_it_cannot_run(monkeypatch):
     from fusedattn.ops import rowwise
 

@@ -168,6 +168,16 @@ def test_cuda_fast_path_rows_kx(N, dtype):
     check(x, torch.randn(N + 1, device="cuda")[1:], backend="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [256, 1024, 4096, 8192])
+def test_cuda_fused_backward_many_rows_kx(N, dtype):
+    """RMS through the fused backward (dx and the weight's partials in one pass) on rows well
+    past one wave of its row groups."""
+    x = (torch.randn(3000, N, device="cuda") * 2 + 1).to(dtype)
+    check(x, torch.randn(N, device="cuda", dtype=dtype), backend="cuda")
+
+
 # ---- modules and swap ---------------------------------------------------------------------------
 
 

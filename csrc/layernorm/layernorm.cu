@@ -6,7 +6,8 @@
 // writes dx per row and fp32 partial dweight/dbias per row group, reduced by a second kernel
 // in group order: deterministic, no atomics. Aligned rows up to 32768 elements take the fast
 // path of layernorm_rows.cuh instead (the row read once, held in registers) for the forward
-// and the backward's dx; these kernels keep the rest (unaligned or longer rows).
+// and the backward's dx, and up to 8192 for a backward that also writes the partials in the
+// same pass; these kernels keep the rest (unaligned or longer rows).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -226,9 +227,18 @@ void layer_norm_forward(const LayerNormParams& p, cudaStream_t stream) {
   });
 }
 
+int64_t layer_norm_backward_groups(const LayerNormParams& p, int64_t fallback) {
+  if (p.rows == 0) return fallback;
+  return FLOATING_SWITCH(p.dtype, T, [&] {
+    const int64_t fused = layernorm_rows::fused_groups<T>(p);
+    return fused > 0 ? fused : fallback;
+  });
+}
+
 void layer_norm_backward(const LayerNormParams& p, cudaStream_t stream) {
   if (p.rows == 0) return;
   FLOATING_SWITCH(p.dtype, T, [&] {
+    if (layernorm_rows::run_fused<T>(p, stream)) return;  // dx and the partials in one pass
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = vector_width<T>(p) == kVec;
     if (!layernorm_rows::run<T>(true, p, stream)) {

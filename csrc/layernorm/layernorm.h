@@ -32,6 +32,10 @@ struct LayerNormParams {
 };
 
 void layer_norm_forward(const LayerNormParams& params, cudaStream_t stream);
+// Row groups of the parameter-gradient partials for these rows: the fused backward's own count
+// where it takes them (aligned rows up to 8192 elements, 4096 fp32), `fallback` otherwise.
+// Allocate (groups, N) partials with it and pass it as params.groups.
+int64_t layer_norm_backward_groups(const LayerNormParams& params, int64_t fallback);
 void layer_norm_backward(const LayerNormParams& params, cudaStream_t stream);
 // dweight/dbias = column sums of the (groups, N) partials, in group order (deterministic).
 void layer_norm_reduce_partials(const float* partial, float* out, int64_t groups, int64_t n,

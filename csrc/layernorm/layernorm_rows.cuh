@@ -16,8 +16,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
@@ -207,6 +209,97 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
   }
 }
 
+// The backward with the parameter gradients fused in: a persistent grid of row groups (a warp
+// each with a warp per row, a block each beyond) walks rows group, group + groups, ...; each
+// thread keeps fp32 dweight/dbias sums for its columns in registers across its rows and writes
+// its group's partials once ((groups, n) fp32, summed in group order by reduce_partials_kernel:
+// deterministic for a given grid). x and dy are read once for dx and the partials together,
+// where layer_norm_bwd_params_kernel read them a second time (5 row-sized passes -> 3).
+// Shapes up to 4 vectors per thread and 256 threads: the sums (2 x 32 fp32 per thread at 4
+// vectors of bf16) fit the registers those blocks allow; longer rows keep the two kernels.
+template <int kRowThreads, int kVecs>
+constexpr bool kFusesParams = kRowThreads <= 256 && kVecs <= 4;
+
+template <typename T, int kRowThreads, int kVecs>
+__global__ void __launch_bounds__(block_threads<kRowThreads>())
+    layer_norm_bwd_fused_rows_kernel(const LayerNormParams p) {
+  static_assert(kFusesParams<kRowThreads, kVecs>, "the parameter sums would not fit");
+  constexpr int kElems = 16 / sizeof(T);
+  __shared__ float scratch[kWarpSize];
+  const bool warp_rows = kRowThreads == kWarpSize;
+  const int group = warp_rows ? blockIdx.x * kWarpRowsPerBlock + threadIdx.x / kWarpSize
+                              : static_cast<int>(blockIdx.x);
+  const int groups = warp_rows ? gridDim.x * kWarpRowsPerBlock : gridDim.x;
+  const int t = warp_rows ? threadIdx.x % kWarpSize : threadIdx.x;
+  const int n = static_cast<int>(p.n);
+  float dw[kVecs][kElems] = {}, db[kVecs][kElems] = {};
+
+  for (int64_t row = group; row < p.rows; row += groups) {  // uniform per warp / per block
+    const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
+    T* dx = static_cast<T*>(p.dx) + row * p.n;
+    const float mean = p.rms ? 0.f : p.mean[row];
+    const float rstd = p.rstd[row];
+    uint4 xv[kVecs], dv[kVecs];
+    float c1 = 0.f, c2 = 0.f;  // sums of xhat * w * dy and of w * dy
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int col = column<kRowThreads, kElems>(t, i);
+      if (col < n) {
+        xv[i] = *reinterpret_cast<const uint4*>(x + col);
+        dv[i] = *reinterpret_cast<const uint4*>(dy + col);
+        float w[kElems];
+        if (p.weight) load_params<kElems>(w, p.weight + col);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          const float g = element<T>(dv[i], j);
+          const float xhat = (element<T>(xv[i], j) - mean) * rstd;
+          const float wdy = g * (p.weight ? w[j] : 1.f);
+          c1 += xhat * wdy;
+          c2 += wdy;
+          dw[i][j] += g * xhat;
+          db[i][j] += g;
+        }
+      }
+    }
+    c1 = row_sum<kRowThreads>(c1, scratch) / n;
+    c2 = p.rms ? 0.f : row_sum<kRowThreads>(c2, scratch) / n;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int col = column<kRowThreads, kElems>(t, i);
+      if (col < n) {
+        float w[kElems];
+        if (p.weight) load_params<kElems>(w, p.weight + col);
+        uint4 out;
+        T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          const float wdy = element<T>(dv[i], j) * (p.weight ? w[j] : 1.f);
+          const float xhat = (element<T>(xv[i], j) - mean) * rstd;
+          o[j] = from_float<T>((wdy - (xhat * c1 + c2)) * rstd);
+        }
+        *reinterpret_cast<uint4*>(dx + col) = out;
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int col = column<kRowThreads, kElems>(t, i);
+    if (col < n) {
+      float* pw = p.dweight_partial + static_cast<int64_t>(group) * p.n + col;
+      float* pb = p.dbias_partial + static_cast<int64_t>(group) * p.n + col;
+#pragma unroll
+      for (int j = 0; j < kElems; j += 4) {
+        *reinterpret_cast<float4*>(pw + j) =
+            make_float4(dw[i][j], dw[i][j + 1], dw[i][j + 2], dw[i][j + 3]);
+        *reinterpret_cast<float4*>(pb + j) =
+            make_float4(db[i][j], db[i][j + 1], db[i][j + 2], db[i][j + 3]);
+      }
+    }
+  }
+}
+
 // Whether the fast path takes these rows: unit column stride (the caller's layout), every row
 // start, weight, bias (and dy, dx) 16-byte aligned, N whole vectors and at most one row's
 // register capacity (kMaxVecs vectors of kMaxRowThreads threads).
@@ -238,31 +331,100 @@ void launch(bool backward, const LayerNormParams& p, cudaStream_t stream) {
   FUSEDATTN_LAUNCH_CHECK();
 }
 
+// Calls fn(Int<kRowThreads>, Int<kVecs>) with the smallest shape that holds a row of `vecs`
+// 16-byte vectors: a warp with 1, 2 or 4 vectors per lane, then 128, 256 or 512 threads with 2
+// to 8.
+template <int kValue>
+using Int = std::integral_constant<int, kValue>;
+
+template <typename Fn>
+void with_shape(int64_t vecs, Fn&& fn) {
+  if (vecs <= 32) {
+    fn(Int<32>(), Int<1>());
+  } else if (vecs <= 64) {
+    fn(Int<32>(), Int<2>());
+  } else if (vecs <= 128) {
+    fn(Int<32>(), Int<4>());
+  } else if (vecs <= 256) {
+    fn(Int<128>(), Int<2>());
+  } else if (vecs <= 512) {
+    fn(Int<128>(), Int<4>());
+  } else if (vecs <= 1024) {
+    fn(Int<256>(), Int<4>());
+  } else if (vecs <= 2048) {
+    fn(Int<512>(), Int<4>());
+  } else {
+    fn(Int<512>(), Int<8>());
+  }
+}
+
 // Runs the fast path (the forward, or the backward's dx) when it takes the rows; false
-// otherwise (nothing launched). Row lengths in 16-byte vectors pick the smallest shape that
-// holds the row: a warp with 1, 2 or 4 vectors per lane, then 128, 256 or 512 threads with
-// 2 to 8.
+// otherwise (nothing launched).
 template <typename T>
 bool run(bool backward, const LayerNormParams& p, cudaStream_t stream) {
   if (!takes<T>(p, backward)) return false;
-  const int64_t vecs = p.n / (16 / sizeof(T));
-  if (vecs <= 32) {
-    launch<T, 32, 1>(backward, p, stream);
-  } else if (vecs <= 64) {
-    launch<T, 32, 2>(backward, p, stream);
-  } else if (vecs <= 128) {
-    launch<T, 32, 4>(backward, p, stream);
-  } else if (vecs <= 256) {
-    launch<T, 128, 2>(backward, p, stream);
-  } else if (vecs <= 512) {
-    launch<T, 128, 4>(backward, p, stream);
-  } else if (vecs <= 1024) {
-    launch<T, 256, 4>(backward, p, stream);
-  } else if (vecs <= 2048) {
-    launch<T, 512, 4>(backward, p, stream);
-  } else {
-    launch<T, 512, 8>(backward, p, stream);
+  with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+    launch<T, decltype(threads)::value, decltype(vecs)::value>(backward, p, stream);
+  });
+  return true;
+}
+
+// The fused backward's grid: one wave of resident blocks (the occupancy the registers allow),
+// no more blocks than the rows need.
+template <typename T, int kRowThreads, int kVecs>
+int64_t fused_blocks(int64_t rows) {
+  constexpr int kMaxDevices = 64;
+  static int resident[kMaxDevices] = {};  // blocks one wave holds, per device (0: not asked)
+  int device = 0;
+  FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  int wave = device < kMaxDevices ? resident[device] : 0;
+  if (wave == 0) {
+    int per_sm = 0, sms = 0;
+    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, layer_norm_bwd_fused_rows_kernel<T, kRowThreads, kVecs>,
+        block_threads<kRowThreads>(), 0));
+    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    wave = std::max(per_sm, 1) * sms;
+    if (device < kMaxDevices) resident[device] = wave;  // any racing thread stores the same
   }
+  const int64_t rows_per_block = kRowThreads == kWarpSize ? kWarpRowsPerBlock : 1;
+  const int64_t needed = (rows + rows_per_block - 1) / rows_per_block;
+  return std::max<int64_t>(1, std::min<int64_t>(wave, needed));
+}
+
+// Row groups of the fused backward for these rows (the partials' leading size), 0 when it does
+// not take them (unaligned rows, or rows longer than kFusesParams allows).
+template <typename T>
+int64_t fused_groups(const LayerNormParams& p) {
+  if (!takes<T>(p, true)) return 0;
+  int64_t groups = 0;
+  with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+    constexpr int kRowThreads = decltype(threads)::value, kVecs = decltype(vecs)::value;
+    if constexpr (kFusesParams<kRowThreads, kVecs>) {
+      groups = fused_blocks<T, kRowThreads, kVecs>(p.rows) *
+               (kRowThreads == kWarpSize ? kWarpRowsPerBlock : 1);
+    }
+  });
+  return groups;
+}
+
+// Runs the fused backward when it takes the rows and p.groups is its group count
+// (fused_groups); false otherwise (nothing launched).
+template <typename T>
+bool run_fused(const LayerNormParams& p, cudaStream_t stream) {
+  if (p.dweight_partial == nullptr || p.groups != fused_groups<T>(p) || p.groups == 0) {
+    return false;
+  }
+  with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+    constexpr int kRowThreads = decltype(threads)::value, kVecs = decltype(vecs)::value;
+    if constexpr (kFusesParams<kRowThreads, kVecs>) {
+      const int64_t per_block = kRowThreads == kWarpSize ? kWarpRowsPerBlock : 1;
+      const dim3 grid(static_cast<unsigned>(p.groups / per_block));
+      layer_norm_bwd_fused_rows_kernel<T, kRowThreads, kVecs>
+          <<<grid, block_threads<kRowThreads>(), 0, stream>>>(p);
+      FUSEDATTN_LAUNCH_CHECK();
+    }
+  });
   return true;
 }
 
