@@ -18,43 +18,20 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <stdexcept>
-#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
+#include "common/rows.cuh"
 #include "layernorm/layernorm.h"
 
 namespace fusedattn {
 namespace layernorm_rows {
 
-constexpr int kWarpRowsPerBlock = 4;
-constexpr int kMaxRowThreads = 512, kMaxVecs = 8;
-
-template <int kRowThreads>
-constexpr int block_threads() {
-  return kRowThreads == kWarpSize ? kWarpRowsPerBlock * kWarpSize : kRowThreads;
-}
-
-// The row this thread works on and its index within the row's threads; false past the end
-// (uniform per warp with a warp per row; a block per row never passes it).
-template <int kRowThreads>
-__device__ __forceinline__ bool my_row(int64_t rows, int64_t& row, int& t) {
-  if (kRowThreads == kWarpSize) {
-    row = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarpSize;
-    t = threadIdx.x % kWarpSize;
-  } else {
-    row = blockIdx.x;
-    t = threadIdx.x;
-  }
-  return row < rows;
-}
-
-template <int kRowThreads>
-__device__ __forceinline__ float row_sum(float v, float* scratch) {
-  return kRowThreads == kWarpSize ? warp_sum(v) : block_sum(v, scratch);
-}
+using rows::block_threads;
+using rows::kWarpRowsPerBlock;
+using rows::my_row;
+using rows::row_sum;
 
 // A 16-byte vector of T, raw; element j in fp32.
 template <typename T>
@@ -145,21 +122,18 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
   }
 }
 
-// dx = (w*dy - (xhat * mean(xhat*w*dy) + mean(w*dy))) * rstd, x and dy read once (RMSNorm:
-// without the mean(w*dy) term), except at 8 vectors per thread (512-thread blocks, rows past
-// 16384 elements), where dy is read again rather than held: holding it took the 128 registers
-// a 512-thread block allows and spilled 38 B (sm_90a). The parameter gradients stay with
-// layer_norm_bwd_params_kernel.
-template <typename T, int kRowThreads, int kVecs>
-__global__ void __launch_bounds__(block_threads<kRowThreads>())
-    layer_norm_bwd_dx_rows_kernel(const LayerNormParams p) {
+// One row of the backward: dx = (w*dy - (xhat * mean(xhat*w*dy) + mean(w*dy))) * rstd
+// (RMSNorm: without the mean(w*dy) term), x and dy read once, except at 8 vectors per thread
+// (512-thread blocks, rows past 16384 elements), where dy is read again rather than held:
+// holding it took the 128 registers a 512-thread block allows and spilled 38 B (sm_90a).
+// kSumParams: also add this row's dweight (dy * xhat) and dbias (dy) terms to dw and db.
+template <typename T, int kRowThreads, int kVecs, bool kSumParams>
+__device__ __forceinline__ void backward_row(const LayerNormParams& p, int64_t row, int t,
+                                             float* scratch, float (&dw)[kVecs][16 / sizeof(T)],
+                                             float (&db)[kVecs][16 / sizeof(T)]) {
   constexpr int kElems = 16 / sizeof(T);
   constexpr bool kHoldDy = kVecs <= 4;
-  __shared__ float scratch[kWarpSize];
-  int64_t row;
-  int t;
-  if (!my_row<kRowThreads>(p.rows, row, t)) return;
-  const int n = static_cast<int>(p.n);
+  const int n = static_cast<int>(p.n);  // <= 32768 (takes)
   const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
   const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
   T* dx = static_cast<T*>(p.dx) + row * p.n;
@@ -179,9 +153,15 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
       if (p.weight) load_params<kElems>(w, p.weight + col);
 #pragma unroll
       for (int j = 0; j < kElems; ++j) {
-        const float wdy = element<T>(d, j) * (p.weight ? w[j] : 1.f);
-        c1 += (element<T>(xv[i], j) - mean) * rstd * wdy;
+        const float g = element<T>(d, j);
+        const float xhat = (element<T>(xv[i], j) - mean) * rstd;
+        const float wdy = g * (p.weight ? w[j] : 1.f);
+        c1 += xhat * wdy;
         c2 += wdy;
+        if (kSumParams) {
+          dw[i][j] += g * xhat;
+          db[i][j] += g;
+        }
       }
     }
   }
@@ -209,6 +189,20 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
   }
 }
 
+// The backward's dx, a row per warp or block; the parameter gradients stay with
+// layer_norm_bwd_params_kernel.
+template <typename T, int kRowThreads, int kVecs>
+__global__ void __launch_bounds__(block_threads<kRowThreads>())
+    layer_norm_bwd_dx_rows_kernel(const LayerNormParams p) {
+  constexpr int kElems = 16 / sizeof(T);
+  __shared__ float scratch[kWarpSize];
+  int64_t row;
+  int t;
+  if (!my_row<kRowThreads>(p.rows, row, t)) return;
+  float unused[kVecs][kElems];
+  backward_row<T, kRowThreads, kVecs, false>(p, row, t, scratch, unused, unused);
+}
+
 // The backward with the parameter gradients fused in: a persistent grid of row groups (a warp
 // each with a warp per row, a block each beyond) walks rows group, group + groups, ...; each
 // thread keeps fp32 dweight/dbias sums for its columns in registers across its rows and writes
@@ -231,62 +225,14 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
                               : static_cast<int>(blockIdx.x);
   const int groups = warp_rows ? gridDim.x * kWarpRowsPerBlock : gridDim.x;
   const int t = warp_rows ? threadIdx.x % kWarpSize : threadIdx.x;
-  const int n = static_cast<int>(p.n);
   float dw[kVecs][kElems] = {}, db[kVecs][kElems] = {};
-
   for (int64_t row = group; row < p.rows; row += groups) {  // uniform per warp / per block
-    const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
-    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
-    T* dx = static_cast<T*>(p.dx) + row * p.n;
-    const float mean = p.rms ? 0.f : p.mean[row];
-    const float rstd = p.rstd[row];
-    uint4 xv[kVecs], dv[kVecs];
-    float c1 = 0.f, c2 = 0.f;  // sums of xhat * w * dy and of w * dy
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int col = column<kRowThreads, kElems>(t, i);
-      if (col < n) {
-        xv[i] = *reinterpret_cast<const uint4*>(x + col);
-        dv[i] = *reinterpret_cast<const uint4*>(dy + col);
-        float w[kElems];
-        if (p.weight) load_params<kElems>(w, p.weight + col);
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-          const float g = element<T>(dv[i], j);
-          const float xhat = (element<T>(xv[i], j) - mean) * rstd;
-          const float wdy = g * (p.weight ? w[j] : 1.f);
-          c1 += xhat * wdy;
-          c2 += wdy;
-          dw[i][j] += g * xhat;
-          db[i][j] += g;
-        }
-      }
-    }
-    c1 = row_sum<kRowThreads>(c1, scratch) / n;
-    c2 = p.rms ? 0.f : row_sum<kRowThreads>(c2, scratch) / n;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int col = column<kRowThreads, kElems>(t, i);
-      if (col < n) {
-        float w[kElems];
-        if (p.weight) load_params<kElems>(w, p.weight + col);
-        uint4 out;
-        T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-          const float wdy = element<T>(dv[i], j) * (p.weight ? w[j] : 1.f);
-          const float xhat = (element<T>(xv[i], j) - mean) * rstd;
-          o[j] = from_float<T>((wdy - (xhat * c1 + c2)) * rstd);
-        }
-        *reinterpret_cast<uint4*>(dx + col) = out;
-      }
-    }
+    backward_row<T, kRowThreads, kVecs, true>(p, row, t, scratch, dw, db);
   }
-
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int col = column<kRowThreads, kElems>(t, i);
-    if (col < n) {
+    if (col < p.n) {
       float* pw = p.dweight_partial + static_cast<int64_t>(group) * p.n + col;
       float* pb = p.dbias_partial + static_cast<int64_t>(group) * p.n + col;
 #pragma unroll
@@ -306,7 +252,8 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
 template <typename T>
 bool takes(const LayerNormParams& p, bool backward) {
   constexpr int kElems = 16 / sizeof(T);
-  if (p.n <= 0 || p.n % kElems || p.n > int64_t{kMaxRowThreads} * kMaxVecs * kElems) return false;
+  if (p.n <= 0 || p.n % kElems || p.n > int64_t{rows::kMaxRowThreads} * rows::kMaxVecs * kElems)
+    return false;
   const auto aligned = [](const void* ptr) {
     return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
   };
@@ -317,54 +264,16 @@ bool takes(const LayerNormParams& p, bool backward) {
   return aligned(p.y);
 }
 
-template <typename T, int kRowThreads, int kVecs>
-void launch(bool backward, const LayerNormParams& p, cudaStream_t stream) {
-  const int64_t blocks =
-      kRowThreads == kWarpSize ? (p.rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock : p.rows;
-  if (blocks > 0x7fffffff) throw std::invalid_argument("layer_norm: more rows than a grid holds");
-  const dim3 grid(static_cast<unsigned>(blocks)), block(block_threads<kRowThreads>());
-  if (backward) {
-    layer_norm_bwd_dx_rows_kernel<T, kRowThreads, kVecs><<<grid, block, 0, stream>>>(p);
-  } else {
-    layer_norm_fwd_rows_kernel<T, kRowThreads, kVecs><<<grid, block, 0, stream>>>(p);
-  }
-  FUSEDATTN_LAUNCH_CHECK();
-}
-
-// Calls fn(Int<kRowThreads>, Int<kVecs>) with the smallest shape that holds a row of `vecs`
-// 16-byte vectors: a warp with 1, 2 or 4 vectors per lane, then 128, 256 or 512 threads with 2
-// to 8.
-template <int kValue>
-using Int = std::integral_constant<int, kValue>;
-
-template <typename Fn>
-void with_shape(int64_t vecs, Fn&& fn) {
-  if (vecs <= 32) {
-    fn(Int<32>(), Int<1>());
-  } else if (vecs <= 64) {
-    fn(Int<32>(), Int<2>());
-  } else if (vecs <= 128) {
-    fn(Int<32>(), Int<4>());
-  } else if (vecs <= 256) {
-    fn(Int<128>(), Int<2>());
-  } else if (vecs <= 512) {
-    fn(Int<128>(), Int<4>());
-  } else if (vecs <= 1024) {
-    fn(Int<256>(), Int<4>());
-  } else if (vecs <= 2048) {
-    fn(Int<512>(), Int<4>());
-  } else {
-    fn(Int<512>(), Int<8>());
-  }
-}
-
 // Runs the fast path (the forward, or the backward's dx) when it takes the rows; false
 // otherwise (nothing launched).
 template <typename T>
 bool run(bool backward, const LayerNormParams& p, cudaStream_t stream) {
   if (!takes<T>(p, backward)) return false;
-  with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
-    launch<T, decltype(threads)::value, decltype(vecs)::value>(backward, p, stream);
+  rows::with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+    constexpr int kRowThreads = decltype(threads)::value, kVecs = decltype(vecs)::value;
+    rows::launch<kRowThreads>(backward ? layer_norm_bwd_dx_rows_kernel<T, kRowThreads, kVecs>
+                                       : layer_norm_fwd_rows_kernel<T, kRowThreads, kVecs>,
+                              p.rows, "layer_norm", p, stream);
   });
   return true;
 }
@@ -372,7 +281,7 @@ bool run(bool backward, const LayerNormParams& p, cudaStream_t stream) {
 // The fused backward's grid: one wave of resident blocks (the occupancy the registers allow),
 // no more blocks than the rows need.
 template <typename T, int kRowThreads, int kVecs>
-int64_t fused_blocks(int64_t rows) {
+int64_t fused_blocks(int64_t num_rows) {
   constexpr int kMaxDevices = 64;
   static int resident[kMaxDevices] = {};  // blocks one wave holds, per device (0: not asked)
   int device = 0;
@@ -388,7 +297,7 @@ int64_t fused_blocks(int64_t rows) {
     if (device < kMaxDevices) resident[device] = wave;  // any racing thread stores the same
   }
   const int64_t rows_per_block = kRowThreads == kWarpSize ? kWarpRowsPerBlock : 1;
-  const int64_t needed = (rows + rows_per_block - 1) / rows_per_block;
+  const int64_t needed = (num_rows + rows_per_block - 1) / rows_per_block;
   return std::max<int64_t>(1, std::min<int64_t>(wave, needed));
 }
 
@@ -398,7 +307,7 @@ template <typename T>
 int64_t fused_groups(const LayerNormParams& p) {
   if (!takes<T>(p, true)) return 0;
   int64_t groups = 0;
-  with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+  rows::with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
     constexpr int kRowThreads = decltype(threads)::value, kVecs = decltype(vecs)::value;
     if constexpr (kFusesParams<kRowThreads, kVecs>) {
       groups = fused_blocks<T, kRowThreads, kVecs>(p.rows) *
@@ -415,7 +324,7 @@ bool run_fused(const LayerNormParams& p, cudaStream_t stream) {
   if (p.dweight_partial == nullptr || p.groups != fused_groups<T>(p) || p.groups == 0) {
     return false;
   }
-  with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+  rows::with_shape(p.n / (16 / sizeof(T)), [&](auto threads, auto vecs) {
     constexpr int kRowThreads = decltype(threads)::value, kVecs = decltype(vecs)::value;
     if constexpr (kFusesParams<kRowThreads, kVecs>) {
       const int64_t per_block = kRowThreads == kWarpSize ? kWarpRowsPerBlock : 1;

@@ -14,19 +14,21 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <stdexcept>
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
 #include "common/fast_math.cuh"
 #include "common/reduce.cuh"
+#include "common/rows.cuh"
 #include "softmax/softmax.h"
 
 namespace fusedattn {
 namespace softmax_rows {
 
+using rows::block_threads;
+using rows::row_sum;
+
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kWarpRowsPerBlock = 4;
 
 // Offset of flat row `row` of the (A, B, C) rows. 32-bit division when the rows fit (a 64-bit
 // one is ~3x the instructions, which short rows feel: it is paid once per thread per row).
@@ -47,27 +49,15 @@ __device__ __forceinline__ int64_t row_offset(const int64_t* stride, const int64
   return a * stride[0] + b * stride[1] + c * stride[2];
 }
 
-// The row this thread works on and its index within the row's threads; false past the end
-// (uniform per warp with a warp per row, per block otherwise).
+// The row this thread works on and its index within the row's threads; false past the end.
 template <int kRowThreads>
 __device__ __forceinline__ bool my_row(const SoftmaxParams& p, int64_t& row, int& t) {
-  if (kRowThreads == kWarpSize) {
-    row = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarpSize;
-    t = threadIdx.x % kWarpSize;
-  } else {
-    row = blockIdx.x;
-    t = threadIdx.x;
-  }
-  return row < p.sizes[0] * p.sizes[1] * p.sizes[2];
+  return rows::my_row<kRowThreads>(p.sizes[0] * p.sizes[1] * p.sizes[2], row, t);
 }
 
 template <int kRowThreads>
 __device__ __forceinline__ float row_max(float v, float* scratch) {
   return kRowThreads == kWarpSize ? warp_max(v) : block_max(v, scratch);
-}
-template <int kRowThreads>
-__device__ __forceinline__ float row_sum(float v, float* scratch) {
-  return kRowThreads == kWarpSize ? warp_sum(v) : block_sum(v, scratch);
 }
 
 // kElems elements of T as one 16-byte vector, in fp32.
@@ -85,11 +75,6 @@ __device__ __forceinline__ void store_vec(T* dst, const float (&in)[kElems], flo
 #pragma unroll
   for (int j = 0; j < kElems; ++j) e[j] = from_float<T>(in[j] * factor);
   *reinterpret_cast<uint4*>(dst) = raw;
-}
-
-template <int kRowThreads>
-constexpr int block_threads() {
-  return kRowThreads == kWarpSize ? kWarpRowsPerBlock * kWarpSize : kRowThreads;
 }
 
 // y = softmax(x * scale) along N; a row whose inputs are all -inf gives 0 (as the general
@@ -191,14 +176,13 @@ __global__ void __launch_bounds__(block_threads<kRowThreads>())
 // Whether the fast path takes these rows: unit stride along N, every row start and the base
 // pointers 16-byte aligned, N whole vectors and at most one row's register capacity
 // (kMaxVecs vectors of kMaxRowThreads threads), and (forward) no mask and no causal.
-constexpr int kMaxRowThreads = 512, kMaxVecs = 8;
-
 template <typename T>
 bool takes(const SoftmaxParams& p, bool backward) {
   constexpr int kElems = 16 / sizeof(T);
   const int64_t N = p.sizes[3];
   if (!backward && (p.keep || p.bias || p.causal)) return false;
-  if (N <= 0 || N % kElems || N > int64_t{kMaxRowThreads} * kMaxVecs * kElems) return false;
+  if (N <= 0 || N % kElems || N > int64_t{rows::kMaxRowThreads} * rows::kMaxVecs * kElems)
+    return false;
   const void* ptrs[3] = {p.x, p.out, backward ? p.dy : p.x};
   const int64_t* strides[3] = {p.x_stride, p.out_stride, backward ? p.dy_stride : p.x_stride};
   for (int i = 0; i < 3; ++i) {
@@ -210,45 +194,17 @@ bool takes(const SoftmaxParams& p, bool backward) {
   return true;
 }
 
-template <typename T, int kRowThreads, int kVecs>
-void launch(bool backward, const SoftmaxParams& p, cudaStream_t stream) {
-  const int64_t rows = p.sizes[0] * p.sizes[1] * p.sizes[2];
-  const int64_t blocks =
-      kRowThreads == kWarpSize ? (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock : rows;
-  if (blocks > 0x7fffffff) throw std::invalid_argument("softmax: more rows than a grid holds");
-  const dim3 grid(static_cast<unsigned>(blocks)), block(block_threads<kRowThreads>());
-  if (backward) {
-    softmax_bwd_rows_kernel<T, kRowThreads, kVecs><<<grid, block, 0, stream>>>(p);
-  } else {
-    softmax_fwd_rows_kernel<T, kRowThreads, kVecs><<<grid, block, 0, stream>>>(p);
-  }
-  FUSEDATTN_LAUNCH_CHECK();
-}
-
-// Runs the fast path when it takes the rows; false otherwise (nothing launched). Row lengths
-// in 16-byte vectors pick the smallest shape that holds the row: a warp with 1, 2 or 4
-// vectors per lane, then 128, 256 or 512 threads with 2 to 8.
+// Runs the fast path when it takes the rows; false otherwise (nothing launched). The row
+// length in 16-byte vectors picks the shape (rows::with_shape).
 template <typename T>
 bool run(bool backward, const SoftmaxParams& p, cudaStream_t stream) {
   if (!takes<T>(p, backward)) return false;
-  const int64_t vecs = p.sizes[3] / (16 / sizeof(T));
-  if (vecs <= 32) {
-    launch<T, 32, 1>(backward, p, stream);
-  } else if (vecs <= 64) {
-    launch<T, 32, 2>(backward, p, stream);
-  } else if (vecs <= 128) {
-    launch<T, 32, 4>(backward, p, stream);
-  } else if (vecs <= 256) {
-    launch<T, 128, 2>(backward, p, stream);
-  } else if (vecs <= 512) {
-    launch<T, 128, 4>(backward, p, stream);
-  } else if (vecs <= 1024) {
-    launch<T, 256, 4>(backward, p, stream);
-  } else if (vecs <= 2048) {
-    launch<T, 512, 4>(backward, p, stream);
-  } else {
-    launch<T, 512, 8>(backward, p, stream);
-  }
+  rows::with_shape(p.sizes[3] / (16 / sizeof(T)), [&](auto threads, auto vecs) {
+    constexpr int kRowThreads = decltype(threads)::value, kVecs = decltype(vecs)::value;
+    rows::launch<kRowThreads>(backward ? softmax_bwd_rows_kernel<T, kRowThreads, kVecs>
+                                       : softmax_fwd_rows_kernel<T, kRowThreads, kVecs>,
+                              p.sizes[0] * p.sizes[1] * p.sizes[2], "softmax", p, stream);
+  });
   return true;
 }
 
