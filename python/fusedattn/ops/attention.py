@@ -96,11 +96,15 @@ def _torch_attention(
     if mask is not None and mask.dim() < 2:  # SDPA needs (..., Tq, Tk)
         mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
     # Rows that see no key: SDPA's forward gives them 0, but its cuDNN backward returned NaN
-    # gradients for them (H100, torch 2.11). They attend to every key instead and their output
-    # is zeroed, which makes every gradient through them exactly 0 (a sink column keeps every
-    # row alive). One more pass over the mask, only when there is one.
+    # gradients for them (H100, torch 2.11). When a backward can run, they attend to every key
+    # instead and their output is zeroed, which makes every gradient through them exactly 0 (a
+    # sink column keeps every row alive). One more pass over the mask, only then: inference
+    # calls pay nothing.
     dead = None
-    if mask is not None and sinks is None:
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, attn_mask)
+    )
+    if mask is not None and sinks is None and grads:
         live = mask if mask.dtype == torch.bool else mask != float("-inf")
         dead = ~live.any(-1, keepdim=True)
         mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
