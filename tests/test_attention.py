@@ -195,6 +195,8 @@ def test_config_is_a_pure_function():
     assert (hopper64.fwd, hopper64.dq, hopper64.dkdv) == (wide, wide, gpu)
     assert K.attention_config(128, 128, True, elem_bytes=4, arch=90).fwd == gpu  # smem: fp32
     assert K.attention_config(128, 128, True, arch=86).fwd == gpu  # 99 KB of shared memory
+    assert K.attention_config(128, 128, True, arch=120).fwd == gpu  # 99 KB too
+    assert K.attention_config(128, 128, True, arch=100).fwd == wide  # 228 KB
     assert K.attention_config(256, 256, True, arch=90).fwd.block_n == 32
     assert K.attention_config(32, 32, True, arch=90).fwd == gpu
     # head dim 16: a 1-stage forward (ptxas segfaulted on the 2-stage varlen forward, sm_90a)

@@ -59,6 +59,11 @@ class AttentionConfig:
     dq: Tiles
 
 
+# Cards with the ~227 KB of shared memory per block the Hopper tiles need (sm_90 H100/H200,
+# sm_100/103 B200/B300); sm_120's 99 KB, like sm_86/89's, does not hold them.
+HOPPER_SMEM_ARCHS = frozenset({90, 100, 103})
+
+
 @functools.lru_cache(maxsize=256)
 def attention_config(
     D: int, Dv: int, on_gpu: bool, ieee_fp32: bool = False, elem_bytes: int = 2, arch: int = 0
@@ -66,7 +71,7 @@ def attention_config(
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
     fast and cross several blocks. elem_bytes: q's element size; arch: the GPU's compute
     capability as 10 * major + minor (0: unknown).
-    - Hopper (arch >= 90), 2-byte dtypes, padded head dims 64-128: the tiles
+    - Hopper-class cards (HOPPER_SMEM_ARCHS), 2-byte dtypes, padded head dims 64-128: the tiles
       scripts/tune_triton_attention.py measured fastest (H100, Triton 3.6, B=4 H=16 T=4096,
       benchmarks/results/h100/tune_triton_attention.csv): forward 128x64 / 8 warps / 3 stages
       (1.10-1.18x the 64x64 tiles at D=128 and 64, causal or not); dq the same at D<=64
@@ -94,7 +99,7 @@ def attention_config(
         # by the sm_90 static screen, which compiles it at 1 stage, and the dense forward and
         # the backward kernels at 2). 16-wide tiles are 2 KB: the pipeline buys little there.
         return AttentionConfig(bd, bdv, fwd=Tiles(64, block_n, 4, 1), dkdv=gpu, dq=gpu)
-    if arch < 90 or elem_bytes != 2 or not 64 <= widest <= 128:
+    if arch not in HOPPER_SMEM_ARCHS or elem_bytes != 2 or not 64 <= widest <= 128:
         return AttentionConfig(bd, bdv, gpu, gpu, gpu)
     wide = Tiles(128, 64, 8, 3)
     return AttentionConfig(
