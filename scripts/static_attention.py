@@ -123,6 +123,15 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, 
     return row
 
 
+def write_csv(rows: list[dict], path: str) -> None:
+    """The screen's rows, columns in first-seen order (an error row adds its own)."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -156,14 +165,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.csv:
-        fields = sorted(
-            {k for r in rows for k in r},
-            key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99,
-        )
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, args.csv)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import csv
 import os
 import subprocess
 import sys
 import tempfile
 
 # the sibling screens: the same tool loading and SASS reading
-from static_attention import _load_tool
+from static_attention import _load_tool, write_csv
 from static_cuda_attention import loops, sass_functions
 
 KERNELS = ("layernorm_fwd", "rmsnorm_fwd", "layernorm_bwd", "softmax_fwd", "softmax_bwd")
@@ -128,11 +127,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.csv:
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, args.csv)
     return 1 if any("error" in r for r in rows) else 0
 
 
