@@ -283,7 +283,8 @@ void attention_bwd(const torch::Tensor& dout, const torch::Tensor& q, const torc
                    const c10::optional<torch::Tensor>& dscores,
                    const c10::optional<torch::Tensor>& attn_mask,
                    const c10::optional<torch::Tensor>& key_padding_mask, bool is_causal,
-                   double scale, double dropout_p, const c10::optional<torch::Tensor>& seed) {
+                   double scale, double dropout_p, const c10::optional<torch::Tensor>& seed,
+                   int64_t backward_kernel) {
   const c10::cuda::CUDAGuard guard(q.device());
   auto p = attention_params(q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                             dropout_p, seed);
@@ -315,7 +316,36 @@ void attention_bwd(const torch::Tensor& dout, const torch::Tensor& q, const torc
         "dscores must be contiguous float32 (B, H, Tq, Tk)");
     p.dscores = dscores->data_ptr<float>();
   }
+  TORCH_CHECK(backward_kernel >= 0 && backward_kernel <= 2, "backward_kernel must be 0 (auto), ",
+              "1 (split) or 2 (fused), got ", backward_kernel);
+  p.backward_kernel = static_cast<int>(backward_kernel);
+  // The fused backward's per-split fp32 dQ partials: written before they are read, so empty.
+  p.dq_splits = fusedattn::attention_backward_dq_splits(p);
+  torch::Tensor dq_accum;
+  if (p.dq_splits > 0) {
+    dq_accum = torch::empty({p.dq_splits, q.size(0) * q.size(1) * q.size(2), q.size(3)},
+                            q.options().dtype(torch::kFloat32));
+    p.dq_accum = dq_accum.data_ptr<float>();
+  }
   fusedattn::attention_backward(p, c10::cuda::getCurrentCUDAStream());
+}
+
+// How many fp32 dQ accumulators the backward of these inputs takes with this backward_kernel:
+// 0 unless it runs the fused kernel (tests and benchmarks check which backward ran).
+int64_t attention_bwd_dq_splits(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& out,
+                                const torch::Tensor& lse,
+                                const c10::optional<torch::Tensor>& attn_mask,
+                                const c10::optional<torch::Tensor>& key_padding_mask,
+                                bool is_causal, double scale, double dropout_p,
+                                const c10::optional<torch::Tensor>& seed, int64_t backward_kernel) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto p = attention_params(q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
+                            dropout_p, seed);
+  TORCH_CHECK(backward_kernel >= 0 && backward_kernel <= 2, "backward_kernel must be 0 (auto), ",
+              "1 (split) or 2 (fused), got ", backward_kernel);
+  p.backward_kernel = static_cast<int>(backward_kernel);
+  return fusedattn::attention_backward_dq_splits(p);
 }
 
 pybind11::dict build_info() {
@@ -348,5 +378,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "flash attention forward into out (B, H, Tq, Dv) and lse (B, H, Tq) fp32");
   m.def("attention_bwd", &attention_bwd,
         "flash attention backward into dq, dk, dv (deterministic); delta is scratch; dscores "
-        "(optional) receives the dense gradient of the scores for a float mask");
+        "(optional) receives the dense gradient of the scores for a float mask; "
+        "backward_kernel: 0 auto, 1 split (dQ and dK/dV kernels), 2 fused where it applies");
+  m.def("attention_bwd_dq_splits", &attention_bwd_dq_splits,
+        "fp32 dQ accumulators the backward takes with this backward_kernel (0: not fused)");
 }

@@ -8,7 +8,8 @@
 #   check   (default) build info gpu-tests bench-attention
 #   measure build tune-triton bench-norms bench-model host
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
-# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-norms (the Triton
+# tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-cuda-bwd (the CUDA
+# attention's fused backward against its two-kernel one, ~60 s), tune-norms (the Triton
 # LayerNorm/RMSNorm/softmax warp counts and backward row paths) and profile-norms (where the
 # Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host).
 #
@@ -72,6 +73,7 @@ gpu_tests() {
   local triton=$!
   # The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.
   sharded_pytest cuda 4 -m "gpu or kernels" tests/test_cuda_attention.py \
+    tests/test_cuda_attention_fused_bwd.py \
     tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py &
   local cuda=$!
   trap 'kill -TERM $triton $cuda 2>/dev/null; wait; exit 124' TERM
@@ -119,6 +121,7 @@ if [[ $steps == *" profile "* ]]; then
     --log-file "$out_dir/ncu.txt" $PYTHON scripts/profile_attention.py --ncu
 fi
 step tune-cuda 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
+step tune-cuda-bwd 120 $PYTHON scripts/tune_cuda_backward.py --out "$out_dir"
 step tune-norms 240 $PYTHON scripts/tune_norms.py --out "$out_dir"
 step profile-norms 120 $PYTHON scripts/profile_norms.py --n 1024,4096,32768
 echo "== gpu-check done: status $status; files in $out_dir"

@@ -131,6 +131,81 @@ static void check_masked_query_tiles() {
   }
 }
 
+// The fused backward's schedule, simulated: every key block runs in exactly one split; in each
+// split the first key block reaching a query tile is the split's first block (it stores, the
+// rest add); split_wrote_row names exactly the rows some block of the split wrote.
+static void check_fused_backward_schedule() {
+  for (int block_n : {64, 128}) {
+    for (int block_m : {64}) {
+      for (int seqlen_k = 1; seqlen_k <= 700; seqlen_k += 37) {
+        for (int seqlen_q = 1; seqlen_q <= 700; seqlen_q += 41) {
+          for (int causal = 0; causal < 2; ++causal) {
+            const int num_n = (seqlen_k + block_n - 1) / block_n;
+            const int num_m = (seqlen_q + block_m - 1) / block_m;
+            for (int splits = 1; splits <= 4 && splits <= num_n; ++splits) {
+              std::vector<int> runs(num_n, 0);
+              for (int split = 0; split < splits; ++split) {
+                std::vector<int> first_writer(num_m, -1);
+                for (int nb = split; nb < num_n; nb += splits) {
+                  ++runs[nb];
+                  for (int m = first_query_tile(nb * block_n, causal, block_m); m < num_m; ++m) {
+                    if (first_writer[m] < 0) first_writer[m] = nb;
+                  }
+                }
+                for (int m = 0; m < num_m; ++m) {
+                  CHECK(first_writer[m] < 0 || first_writer[m] == split,
+                        "split %d of %d: tile %d first written by key block %d (Tq=%d Tk=%d "
+                        "causal=%d)",
+                        split, splits, m, first_writer[m], seqlen_q, seqlen_k, causal);
+                }
+                for (int row = 0; row < seqlen_q; ++row) {
+                  CHECK(split_wrote_row(row, split, causal, block_m, block_n) ==
+                            (first_writer[row / block_m] >= 0),
+                        "split %d of %d, row %d (Tq=%d Tk=%d causal=%d bn=%d)", split, splits, row,
+                        seqlen_q, seqlen_k, causal, block_n);
+                }
+              }
+              for (int nb = 0; nb < num_n; ++nb)
+                CHECK(runs[nb] == 1, "key block %d ran %d", nb, runs[nb]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// fused_backward_splits: within [1, min(max_splits, num_n_blocks)], at least one wave, the
+// best last-wave fill (fewest splits on a tie); 0 exactly when no count reaches a wave.
+static void check_fused_backward_splits() {
+  for (int wave : {1, 7, 108, 132, 264}) {
+    for (int64_t kv = 0; kv <= 300; ++kv) {
+      for (int num_n = 0; num_n <= 6; ++num_n) {
+        const int got = fused_backward_splits(kv, num_n, wave, 4);
+        const int most = num_n < 4 ? num_n : 4;
+        if (kv == 0 || num_n == 0 || kv * most < wave) {
+          CHECK(got == 0, "kv=%lld num_n=%d wave=%d: got %d", (long long)kv, num_n, wave, got);
+          continue;
+        }
+        CHECK(got >= 1 && got <= most && kv * got >= wave, "kv=%lld num_n=%d wave=%d: got %d",
+              (long long)kv, num_n, wave, got);
+        auto fill = [&](int s) {
+          const double blocks = static_cast<double>(kv * s);
+          return blocks / (static_cast<double>((kv * s + wave - 1) / wave) * wave);
+        };
+        for (int s = 1; s <= most; ++s) {
+          if (kv * s < wave) continue;
+          CHECK(fill(s) <= fill(got) + 1e-12 && (fill(s) < fill(got) - 1e-12 || s >= got),
+                "kv=%lld num_n=%d wave=%d: %d splits fill %.4f, chose %d at %.4f", (long long)kv,
+                num_n, wave, s, fill(s), got, fill(got));
+        }
+      }
+    }
+  }
+  CHECK(fused_backward_splits(64, 32, 132, 4) == 4, "B*Hkv=64 on 132 SMs");
+  CHECK(fused_backward_splits(5, 32, 132, 4) == 0, "too few kv heads");
+}
+
 int main() {
   check_copy_layouts_for_cols<32>();
   check_copy_layouts_for_cols<64>();
@@ -140,6 +215,8 @@ int main() {
   check_ldmatrix_patterns();
   check_unmasked_key_tiles();
   check_masked_query_tiles();
+  check_fused_backward_schedule();
+  check_fused_backward_splits();
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -49,9 +49,24 @@ void attention_forward(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
+int attention_backward_dq_splits(const AttentionParams& p) {
+  check_params(p);
+  check(p.backward_kernel >= 0 && p.backward_kernel <= 2,
+        "unknown backward kernel " + std::to_string(p.backward_kernel));
+  if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return 0;
+  return HEADDIM_SWITCH(std::max(p.head_dim, p.head_dim_v), kHeadDim, [&] {
+    return p.dtype == DType::kFloat16 ? fused_backward_dq_splits<__half, kHeadDim>(p)
+                                      : fused_backward_dq_splits<__nv_bfloat16, kHeadDim>(p);
+  });
+}
+
 void attention_backward(const AttentionParams& p, cudaStream_t stream) {
   check_params(p);
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return;  // caller zeroes
+  const int splits = attention_backward_dq_splits(p);
+  check(p.dq_splits == splits && (splits == 0 || p.dq_accum != nullptr),
+        "the backward needs " + std::to_string(splits) + " dQ accumulators, was given " +
+            std::to_string(p.dq_accum ? p.dq_splits : 0));
   HEADDIM_SWITCH(std::max(p.head_dim, p.head_dim_v), kHeadDim, [&] {
     if (p.dtype == DType::kFloat16) {
       run_attention_backward<__half, kHeadDim>(p, stream);

@@ -49,14 +49,30 @@ struct AttentionParams {
   int64_t dq_stride[3];
   int64_t dk_stride[3];
   int64_t dv_stride[3];
-  float* delta;    // (B, H, Tq) scratch: rowsum(dout * out)
-  float* dscores;  // nullptr or dense (B, H, Tq, Tk) fp32: gradient of the scaled scores
+  float* delta;         // (B, H, Tq) scratch: rowsum(dout * out)
+  float* dscores;       // nullptr or dense (B, H, Tq, Tk) fp32: gradient of the scaled scores
+  int backward_kernel;  // a BackwardKernel
+  // The fused backward's dQ accumulators, fp32 (dq_splits, B * H * Tq, head_dim), when
+  // attention_backward_dq_splits(p) > 0 (the caller allocates them; no zeroing needed).
+  float* dq_accum;
+  int dq_splits;
 
   int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v;
   float scale;  // on q.k before the softmax
   bool is_causal;
   DType dtype;  // float16 or bfloat16
 };
+
+// Which backward runs. kSplit: delta, then dQ by query block and dK/dV by key block (S and dP
+// computed twice). kFused: delta, then one pass per key block writing dK, dV and per-split fp32
+// dQ partials, then a kernel summing the splits (deterministic); only where it applies (no
+// attn_mask or dropout, padded head dim 64 or 128, the shared memory, enough blocks to fill
+// the GPU), else kSplit. kAuto: the launch policy's choice.
+enum class BackwardKernel : int { kAuto = 0, kSplit = 1, kFused = 2 };
+
+// The number of dQ accumulators the backward of p needs (p.backward_kernel set): 0 unless it
+// runs the fused kernel. The caller sets p.dq_accum and p.dq_splits to match.
+int attention_backward_dq_splits(const AttentionParams& p);
 
 // Both throw std::invalid_argument / std::runtime_error on bad input or a failed launch.
 void attention_forward(const AttentionParams& p, cudaStream_t stream);
@@ -67,5 +83,7 @@ template <typename T, int kHeadDim>
 void run_attention_forward(const AttentionParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim>
 void run_attention_backward(const AttentionParams& p, cudaStream_t stream);
+template <typename T, int kHeadDim>
+int fused_backward_dq_splits(const AttentionParams& p);
 
 }  // namespace fusedattn

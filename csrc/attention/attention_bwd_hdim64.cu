@@ -4,4 +4,6 @@
 namespace fusedattn {
 template void run_attention_backward<__half, 64>(const AttentionParams&, cudaStream_t);
 template void run_attention_backward<__nv_bfloat16, 64>(const AttentionParams&, cudaStream_t);
+template int fused_backward_dq_splits<__half, 64>(const AttentionParams&);
+template int fused_backward_dq_splits<__nv_bfloat16, 64>(const AttentionParams&);
 }  // namespace fusedattn

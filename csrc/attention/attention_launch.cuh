@@ -37,6 +37,14 @@
 //   dQ     D=128   1406 -> unmasked 692, masked 906, no spills.  D=256: 1161 -> 636 / 731.
 //   The general variants (attn_mask, dropout) run every tile through the masked body in the
 //   backward; forward D=128 general 4623 -> 2420 unmasked / 3922 masked.
+//   Fused backward (BackwardFused, 64-query tiles x 128 keys, 8 warps; not the default until
+//   timed): per query tile per warp 16 keys x 64 queries, 5 GEMMs (320 HMMA at D=128): D=128
+//   unmasked 1100 instructions (204 integer, 184 LDSM), masked 1249, 255 registers, 52 B of
+//   spills outside the loop; D=64 692 / 838, 32 B. Per score element that is 1.07 at D=128
+//   and 0.68 at D=64, against the two kernels' 0.87 + 0.68 = 1.55 and 0.59 + 0.45 = 1.03
+//   (FA2's backward, per the issue: 0.85). What it adds: one fp32 dQ partial per (key block,
+//   query tile) written to L2 (st / red.global.add.v2.f32), 32 KB per tile pair at D=128 as
+//   FlashAttention-2's atomicAdd path, and a summing pass over the splits' accumulators.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +54,7 @@
 #include <type_traits>
 
 #include "attention/attention.h"
+#include "attention/attention_bwd_fused_kernel.cuh"
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_kernel.cuh"
 #include "attention/kernel_traits.h"
@@ -56,18 +65,32 @@ namespace fusedattn {
 namespace attn {
 
 // kGeneral: the variant that reads user masks and applies dropout (more registers live).
+// BackwardFused: the one-pass backward (fast variant only), instantiated where kFusedBackward
+// says: head dims 64 and 128, the ones models use most (each instantiation is build time).
 template <int kHeadDim, bool kGeneral>
 struct Policy {
   using Forward = ForwardTraits<kHeadDim, 128, kGeneral ? 32 : 64, 4>;
   using BackwardKV = BackwardKVTraits<kHeadDim, 64, 4, false>;
   using BackwardQ = BackwardQTraits<kHeadDim, 64, 4>;
+  static constexpr bool kFusedBackward = !kGeneral && (kHeadDim == 64 || kHeadDim == 128);
+  using BackwardFused = BackwardFusedTraits<kHeadDim, 64, 8>;
 };
 template <bool kGeneral>
 struct Policy<256, kGeneral> {
   using Forward = ForwardTraits<256, 128, kGeneral ? 32 : 64, 8>;
   using BackwardKV = BackwardKVTraits<256, 32, 4, true>;
   using BackwardQ = BackwardQTraits<256, 32, 4>;
+  static constexpr bool kFusedBackward = false;  // dK + dV alone fill the registers
+  using BackwardFused = void;
 };
+
+// Whether BackwardKernel::kAuto runs the fused backward where it applies. Off until a GPU has
+// run its tests and timed it against the two kernels (issue #13): it has only been compiled and
+// screened (sm_90a: see the numbers at run_attention_backward).
+constexpr bool kFusedBackwardByDefault = false;
+// At most this many fp32 dQ accumulators (each B * H * Tq * head_dim * 4 bytes); a call that
+// would need more to fill the GPU runs the two-kernel backward.
+constexpr int kMaxDqSplits = 4;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -232,15 +255,69 @@ void launch_dkdv_policy(const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int kHeadDim>
+int fused_backward_dq_splits(const AttentionParams& p) {
+  using Pol = attn::Policy<kHeadDim, false>;
+  if constexpr (!Pol::kFusedBackward) {
+    return 0;
+  } else {
+    using F = typename Pol::BackwardFused;
+    const auto kind = static_cast<BackwardKernel>(p.backward_kernel);
+    const bool wanted = kind == BackwardKernel::kFused ||
+                        (kind == BackwardKernel::kAuto && attn::kFusedBackwardByDefault);
+    if (!wanted || attn::needs_general_variant(p) || p.dscores != nullptr) return 0;
+    if (p.seqlen_q == 0 || p.seqlen_k == 0) return 0;
+    int device = 0, optin = 0, sms = 0, resident = 0;
+    FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+    FUSEDATTN_CUDA_CHECK(
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (F::kSmemBytes > optin) return 0;  // sm_86/89 (99 KB) at head dim 128
+    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    auto kernel = attn::attention_bwd_fused_kernel<T, F>;
+    attn::set_smem(kernel, F::kSmemBytes);
+    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel, F::kNThreads, F::kSmemBytes));
+    const int num_n_blocks = static_cast<int>(attn::ceil_div(p.seqlen_k, F::kBlockN));
+    return attn::fused_backward_splits(static_cast<int64_t>(p.batch) * p.kv_heads, num_n_blocks,
+                                       sms * resident, attn::kMaxDqSplits);
+  }
+}
+
+template <typename T, int kHeadDim>
+void launch_fused_backward(const AttentionParams& p, cudaStream_t stream) {
+  using Pol = attn::Policy<kHeadDim, false>;
+  if constexpr (Pol::kFusedBackward) {
+    using F = typename Pol::BackwardFused;
+    const int num_n_blocks = static_cast<int>(attn::ceil_div(p.seqlen_k, F::kBlockN));
+    auto kernel = attn::attention_bwd_fused_kernel<T, F>;
+    attn::set_smem(kernel, F::kSmemBytes);
+    kernel<<<attn::grid_size(static_cast<int64_t>(p.batch) * p.kv_heads * p.dq_splits,
+                             "the fused backward kernel"),
+             F::kNThreads, F::kSmemBytes, stream>>>(p, num_n_blocks);
+    FUSEDATTN_LAUNCH_CHECK();
+    const int64_t chunks = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q * (p.head_dim / 8);
+    attn::attention_bwd_dq_sum_kernel<T, F::kBlockM, F::kBlockN>
+        <<<attn::grid_size(attn::ceil_div(chunks, attn::kDqSumThreads), "the dQ sum kernel"),
+           attn::kDqSumThreads, 0, stream>>>(p);
+    FUSEDATTN_LAUNCH_CHECK();
+  } else {
+    throw std::logic_error("attention: no fused backward at this head dim");
+  }
+}
+
+template <typename T, int kHeadDim>
 void run_attention_backward(const AttentionParams& p, cudaStream_t stream) {
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the caller returns zero gradients
   // delta, then dQ, then dK/dV: the dQ kernel may rewrite delta (exact_delta) before dK/dV
-  // reads it (one stream: in order).
+  // reads it (one stream: in order). Or delta, then the fused kernel and the dQ sum.
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q;
   attn::attention_bwd_delta_kernel<T>
       <<<attn::grid_size(attn::ceil_div(rows, attn::kDeltaRowsPerBlock), "the delta kernel"),
          attn::kDeltaRowsPerBlock * attn::kWarpSize, 0, stream>>>(p);
   FUSEDATTN_LAUNCH_CHECK();
+  if (p.dq_splits > 0) {
+    launch_fused_backward<T, kHeadDim>(p, stream);
+    return;
+  }
   BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,
               [&] { launch_dq_policy<T, kHeadDim, kGeneral>(p, stream); });
   BOOL_SWITCH(attn::needs_general_variant(p), kGeneral,

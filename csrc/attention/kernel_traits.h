@@ -58,5 +58,27 @@ struct BackwardQTraits {
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "MMA tiles");
 };
 
+// Backward in one pass per key block (attention_bwd_fused_kernel.cuh): a block of kBlockN keys
+// (16 per warp, as BackwardKVTraits) sweeps query tiles of kBlockM. For dQ = dS K the warps tile
+// the kBlockM x head-dim output: kBlockM / 16 m-tiles by kDQSlices column slices of kDQCols.
+// Shared memory: K, V, double-buffered Q, dO, lse, delta, and dS^T (kBlockN x kBlockM, rows
+// padded by 8: a 144-byte pitch at kBlockM = 64 keeps ldmatrix conflict-free).
+template <int kHeadDim_, int kBlockM_, int kNWarps_>
+struct BackwardFusedTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kBlockN = 16 * kNWarps;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kPitch = kHeadDim + 8;
+  static constexpr int kDSPitch = kBlockM + 8;
+  static constexpr int kDQSlices = kNWarps / (kBlockM / 16);
+  static constexpr int kDQCols = kHeadDim / kDQSlices;
+  static constexpr int kSmemBytes =
+      ((2 * kBlockN + 4 * kBlockM) * kPitch + kBlockN * kDSPitch) * 2 + 4 * kBlockM * 4;
+  static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "MMA tiles");
+  static_assert(kNWarps % (kBlockM / 16) == 0 && kDQCols % 16 == 0, "whole dQ slices per warp");
+};
+
 }  // namespace attn
 }  // namespace fusedattn

@@ -78,5 +78,47 @@ FUSEDATTN_HOST_DEVICE int masked_query_tiles(int n0, int seqlen_k, int num_m, in
   return masked < 0 ? 0 : (masked > tiles ? tiles : masked);
 }
 
+// The fused backward (attention_bwd_fused_kernel): one block per (batch, kv head, split) runs
+// key blocks nb = split, split + splits, ... in that order; each adds its dQ partial to the
+// split's fp32 accumulator, the first one storing instead of adding, and a last kernel sums
+// the splits in split order. Deterministic: every accumulator element is written by one thread
+// in a fixed order. The key block starting at n0 reaches query tiles from first_query_tile on
+// (causal: the tiles wholly above its first key see none of it).
+FUSEDATTN_HOST_DEVICE int first_query_tile(int n0, bool is_causal, int block_m) {
+  return is_causal ? n0 / block_m : 0;
+}
+
+// Whether split `split` wrote query row `row` of its accumulator: its first key block reaches
+// every query tile its later ones do (first_query_tile grows with n0), so this is that block's
+// range. The summing kernel skips the rows a split never wrote (no memset of the accumulator).
+FUSEDATTN_HOST_DEVICE bool split_wrote_row(int row, int split, bool is_causal, int block_m,
+                                           int block_n) {
+  return row / block_m >= first_query_tile(split * block_n, is_causal, block_m);
+}
+
+// How many splits the fused backward runs for kv_blocks = batch * kv heads: the count in
+// [1, min(max_splits, num_n_blocks)] whose grid (kv_blocks * splits blocks) fills the last
+// wave of `wave` resident blocks best, the fewest on a tie (each split is one more fp32 dQ).
+// 0 when even max_splits leaves the GPU less than one wave: the two-kernel backward (one block
+// per query block and per key block) then keeps more SMs busy.
+FUSEDATTN_HOST_DEVICE int fused_backward_splits(int64_t kv_blocks, int num_n_blocks, int wave,
+                                                int max_splits) {
+  if (kv_blocks <= 0 || num_n_blocks <= 0 || wave <= 0) return 0;
+  const int most = max_splits < num_n_blocks ? max_splits : num_n_blocks;
+  int best = 0;
+  int64_t best_used = 0, best_slots = 1;  // the best fill so far, best_used / best_slots
+  for (int splits = 1; splits <= most; ++splits) {
+    const int64_t blocks = kv_blocks * splits;
+    if (blocks < wave) continue;
+    const int64_t slots = (blocks + wave - 1) / wave * wave;
+    if (best == 0 || blocks * best_slots > best_used * slots) {
+      best = splits;
+      best_used = blocks;
+      best_slots = slots;
+    }
+  }
+  return best;
+}
+
 }  // namespace attn
 }  // namespace fusedattn

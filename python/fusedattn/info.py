@@ -17,6 +17,7 @@ import torch
 
 from ._version import __version__
 from .ops import backends
+from .ops.flash_attention import CUDA_BACKWARD_ENV
 
 
 def _package_version(name: str) -> str | None:
@@ -79,6 +80,7 @@ def collect() -> dict:
         "extension": extension_info(),
         "triton_interpret": backends.triton_interpreter_enabled(),
         "backend_env": f"{backends.ENV_VAR}={os.environ.get(backends.ENV_VAR, '')}",
+        "cuda_backward_env": f"{CUDA_BACKWARD_ENV}={os.environ.get(CUDA_BACKWARD_ENV, '')}",
         "device": device,
         "available_backends": backends.available_backends(device),
         "backends": backends.backend_report(device),
@@ -132,6 +134,7 @@ def render(info: dict) -> str:
     lines.append(extension_line(info["extension"]))
     lines.append(f"TRITON_INTERPRET=1: {'yes' if info['triton_interpret'] else 'no'}")
     lines.append(f"{info['backend_env']}")
+    lines.append(f"{info['cuda_backward_env']} (the CUDA attention's backward: auto, split, fused)")
     lines.append(f"backends on {info['device']}: {', '.join(info['available_backends']) or 'none'}")
     for op, per_backend in info["backends"].items():
         lines.append(f"  {op}:")

@@ -7,6 +7,7 @@ Optional[...]: torch.library reads typing.Optional on every torch we support.
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -23,6 +24,25 @@ from .rowwise import (
 
 MAX_HEAD_DIM = 256
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
+
+# Which backward the CUDA attention runs (the extension's BackwardKernel): "split" is dQ by query
+# block and dK/dV by key block; "fused" one pass per key block with per-split fp32 dQ partials,
+# where it applies (no attn_mask or dropout, padded head dim 64 or 128, the shared memory, and
+# enough (batch, kv head) pairs to fill the GPU with at most 4 splits), else "split". Both are
+# deterministic. "auto" is the launch policy's choice: "split" until the fused kernel is timed
+# on a GPU (issue #13). Read at every backward, so benchmarks and tests can switch it.
+CUDA_BACKWARD_ENV = "FUSEDATTN_CUDA_BACKWARD"
+CUDA_BACKWARD_KERNELS = {"auto": 0, "split": 1, "fused": 2}
+
+
+def cuda_backward_kernel() -> int:
+    """The extension's BackwardKernel for FUSEDATTN_CUDA_BACKWARD (unset: auto)."""
+    name = os.environ.get(CUDA_BACKWARD_ENV, "").strip() or "auto"
+    if name not in CUDA_BACKWARD_KERNELS:
+        raise ValueError(
+            f"{CUDA_BACKWARD_ENV}={name!r}: expected one of {', '.join(CUDA_BACKWARD_KERNELS)}"
+        )
+    return CUDA_BACKWARD_KERNELS[name]
 
 
 def triton_refusals(*, q, v, alibi_slopes=None, **_inputs) -> list[str]:
@@ -272,11 +292,13 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask, dsinks
     if backend == "cuda":
+        backward_kernel = cuda_backward_kernel()
         delta = new_output((B, H, Tq), torch.float32, q.device)
         is_causal = window_right == 0 and window_left < 0 and not bottom_right
         extension().attention_bwd(
             do, q, k, v, out, lse, dq, dk, dv, delta, dmask if mask_grad else None,
             *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal, scale, dropout_p, seed,
+            backward_kernel,
         )  # fmt: skip
         return dq, dk, dv, dmask, dsinks
     L = launch or TritonAttentionLaunch(
