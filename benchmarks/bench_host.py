@@ -1,5 +1,6 @@
-"""Host cost of one call: microseconds of CPU time per fusedattn.attention forward and
-forward+backward on the Triton path, with the GPU work taken out of the picture.
+"""Host cost of one call: microseconds of CPU time per forward, backward (of a saved graph) and
+forward+backward of fusedattn.attention, layer_norm, rms_norm and softmax on the Triton path,
+with the GPU work taken out of the picture.
 
     python benchmarks/bench_host.py [--sm90-tool ../shared/tools/sm90_static.py] [--out DIR]
 
@@ -27,7 +28,8 @@ from pathlib import Path
 import harness
 import torch
 
-SHAPE = (1, 2, 64, 64)
+SHAPE = (1, 2, 64, 64)  # attention (B, H, T, D)
+ROWS = (64, 1024)  # the norms and softmax: (M, N)
 
 
 def stub_driver_launch(tool_path: str) -> None:
@@ -80,31 +82,62 @@ def run(args) -> list[dict]:
 
     env = harness.environment(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    q, k, v = (torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(SHAPE, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
-    for causal in (False, True):
+    # The norms' launches are skipped only by the sm_90 stub (without it the interpreter would
+    # run them): on a CPU without --sm90-tool, attention alone.
+    norms = device.type == "cuda" or bool(args.sm90_tool)
+    for op, call, leaves, fields in cases(fusedattn, device, dtype, norms):
+        out = call()
+        grad = torch.randn_like(out)
 
-        def fwd(causal=causal):
+        def fwd(call=call):
             with torch.no_grad():
-                return fusedattn.attention(q, k, v, is_causal=causal, backend="triton")
+                return call()
 
-        def fwd_bwd(causal=causal):
-            out = fusedattn.attention(q, k, v, is_causal=causal, backend="triton")
-            return torch.autograd.grad(out, (q, k, v), grad)
+        def bwd(out=out, leaves=leaves, grad=grad):  # as the harness's bwd mode: a saved graph
+            return torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
-        for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        def fwd_bwd(call=call, leaves=leaves, grad=grad):
+            return torch.autograd.grad(call(), leaves, grad)
+
+        for mode, fn in (("fwd", fwd), ("bwd", bwd), ("fwd+bwd", fwd_bwd)):
             us, spread = host_us(fn, sync=sync)
             row = harness.make_row(
-                env, op="attention", mode=mode, impl="fusedattn-triton" + args.label,
-                dtype=str(dtype)[6:],
-                B=SHAPE[0], H=SHAPE[1], Tq=SHAPE[2], Tk=SHAPE[2], D=SHAPE[3], causal=causal,
-                host_us=us, note=f"{note}; spread {spread:.0%}" + harness.noisy(spread),
+                env, op=op, mode=mode, impl="fusedattn-triton" + args.label,
+                dtype=str(dtype)[6:], host_us=us,
+                note=f"{note}; spread {spread:.0%}" + harness.noisy(spread), **fields,
             )  # fmt: skip
-            print(f"  host {mode:<8} causal={causal!s:<5} {us:8.1f} µs/call  ({row['note']})")
+            print(f"  host {op:<10} {mode:<8} {fields} {us:8.1f} µs/call  ({row['note']})")
             rows.append(row)
     return rows
+
+
+def cases(fusedattn, device, dtype, norms: bool):
+    """(op, call() -> out, leaves that get gradients, shape columns) per measured call."""
+    q, k, v = (torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    B, H, T, D = SHAPE
+    for causal in (False, True):
+        yield (
+            "attention",
+            lambda c=causal: fusedattn.attention(q, k, v, is_causal=c, backend="triton"),
+            (q, k, v),
+            dict(B=B, H=H, Tq=T, Tk=T, D=D, causal=causal),
+        )
+    if not norms:
+        return
+    M, N = ROWS
+    x = torch.randn(ROWS, device=device, dtype=dtype, requires_grad=True)
+    w, b = (torch.randn(N, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    shape = dict(M=M, N=N)
+    yield (
+        "layernorm",
+        lambda: fusedattn.layer_norm(x, (N,), w, b, backend="triton"),
+        (x, w, b),
+        shape,
+    )
+    yield "rmsnorm", lambda: fusedattn.rms_norm(x, (N,), w, backend="triton"), (x, w), shape
+    yield "softmax", lambda: fusedattn.softmax(x, -1, backend="triton"), (x,), shape
 
 
 def main(argv=None) -> int:

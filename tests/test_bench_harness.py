@@ -172,11 +172,10 @@ def test_host_benchmark_runs_and_fills_host_us(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(bench_host, "host_us", lambda fn, **kw: (fn(), (123.0, 0.5))[1])
     rows = bench_host.run(argparse.Namespace(sm90_tool=None, label=" (test)"))
-    assert {(r["mode"], r["causal"]) for r in rows} == {
-        ("fwd", False),
-        ("fwd+bwd", False),
-        ("fwd", True),
-        ("fwd+bwd", True),
+    assert {(r["op"], r["mode"], r["causal"]) for r in rows} == {
+        ("attention", mode, causal)
+        for mode in ("fwd", "bwd", "fwd+bwd")
+        for causal in (False, True)
     }
     assert all(r["host_us"] == 123.0 and "NOISY" in r["note"] for r in rows)
     assert all(r["impl"] == "fusedattn-triton (test)" for r in rows)

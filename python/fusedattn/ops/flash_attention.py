@@ -11,6 +11,7 @@ import os
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..masks import NO_WINDOW
 from .attention_launch import TritonAttentionLaunch
@@ -390,6 +391,7 @@ class EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # as the custom op: no double backward (not a silent zero)
     def backward(ctx, dout, _dlse):
         bwd = functools.partial(_attention_backward, launch=ctx.launch)
         return _grads(ctx, dout, bwd, 10)

@@ -1,5 +1,6 @@
 """LayerNorm and RMSNorm of the kernel backends as torch.library custom ops with fake
-implementations and autograd (torch.compile(fullgraph=True) sees one opaque op per step).
+implementations and autograd (torch.compile(fullgraph=True) sees one opaque op per step), and
+the same steps as plain autograd.Functions for eager calls (`layer_norm` / `rms_norm` pick).
 
 Both norms run the same kernels in each backend: RMSNorm is LayerNorm without the centring
 and the bias (`rms=True`: mean 0, and the backward loses its mean term). One op per step
@@ -7,6 +8,7 @@ serves both backends (`backend` is "triton" or "cuda").
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .rowwise import (
     dense_params,
@@ -150,35 +152,78 @@ def _(dy, x, weight, mean, rstd, n, param_grads, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format), grads, grads.clone()
 
 
-def _layer_norm_setup(ctx, inputs, output):
-    x, n, weight, bias, _eps, backend = inputs
-    _, mean, rstd = output
+def _save_layer_norm(ctx, x, weight, bias, mean, rstd, n, backend):
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.n, ctx.backend = n, backend
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.param_shape = next((p.shape for p in (weight, bias) if p is not None), None)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, n, weight, bias, _eps, backend = inputs
+    _, mean, rstd = output
+    _save_layer_norm(ctx, x, weight, bias, mean, rstd, n, backend)
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+def _layer_norm_grads(ctx, dy, need_w, need_b, layer_norm_bwd_fn):
+    """(dx, dweight, dbias) of the forward _layer_norm_setup saved; None where not needed."""
     x, weight, mean, rstd = ctx.saved_tensors
-    need_w = weight is not None and ctx.needs_input_grad[2]
-    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
-    dx, dw, db = torch.ops.fusedattn.layer_norm_bwd(
-        dy, x, weight, mean, rstd, ctx.n, need_w or need_b, ctx.backend
-    )
+    need_w = weight is not None and need_w
+    need_b = ctx.bias_dtype is not None and need_b
+    dx, dw, db = layer_norm_bwd_fn(dy, x, weight, mean, rstd, ctx.n, need_w or need_b, ctx.backend)
     shape = ctx.param_shape
     return (
         dx,
-        None,
         dw.view(shape).to(weight.dtype) if need_w else None,
         db.view(shape).to(ctx.bias_dtype) if need_b else None,
-        None,
-        None,
     )
 
 
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    need = ctx.needs_input_grad
+    dx, dw, db = _layer_norm_grads(ctx, dy, need[2], need[3], torch.ops.fusedattn.layer_norm_bwd)
+    return dx, None, dw, db, None, None
+
+
 layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+def _layer_norm_bwd_eager(dy, x, weight, mean, rstd, n, param_grads, backend):
+    return _backward(dy, x, weight, mean, rstd, n, param_grads, False, backend)
+
+
+class EagerLayerNorm(torch.autograd.Function):
+    """layer_norm_fwd / layer_norm_bwd for eager calls without torch.library's autograd layer
+    (it fills defaults and re-dispatches every argument: host time, benchmarks/bench_host.py),
+    as flash_attention.EagerAttention. Once differentiable, as the custom op."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n, eps, backend):
+        y, mean, rstd = _forward(x, n, weight, bias, eps, False, backend)
+        _save_layer_norm(ctx, x, weight, bias, mean, rstd, n, backend)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad
+        dx, dw, db = _layer_norm_grads(ctx, dy, need[1], need[2], _layer_norm_bwd_eager)
+        return dx, dw, db, None, None, None
+
+
+def _wants_autograd(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def layer_norm(x, n, weight, bias, eps, backend):
+    """LayerNorm over the trailing n elements: the custom op when torch.compile traces, else
+    the eager autograd.Function, or no autograd node at all when no gradient is wanted."""
+    if torch.compiler.is_compiling():
+        return layer_norm_fwd(x, n, weight, bias, eps, backend)[0]
+    if _wants_autograd(x, weight, bias):
+        return EagerLayerNorm.apply(x, weight, bias, n, eps, backend)
+    return _forward(x, n, weight, bias, eps, False, backend)[0]
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------
@@ -219,19 +264,60 @@ def _(dy, x, weight, rstd, n, param_grads, backend):
     return dx, _fake_grads(x, n, param_grads)
 
 
+def _save_rms_norm(ctx, x, weight, rstd, n, backend):
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.n, ctx.backend = n, backend
+
+
 def _rms_norm_setup(ctx, inputs, output):
     x, n, weight, _eps, backend = inputs
     _, rstd = output
-    ctx.save_for_backward(x, weight, rstd)
-    ctx.n, ctx.backend = n, backend
+    _save_rms_norm(ctx, x, weight, rstd, n, backend)
     ctx.mark_non_differentiable(rstd)
 
 
-def _rms_norm_backward(ctx, dy, _drstd):
+def _rms_norm_grads(ctx, dy, need_w, rms_norm_bwd_fn):
+    """(dx, dweight) of the forward _rms_norm_setup saved; dweight None where not needed."""
     x, weight, rstd = ctx.saved_tensors
-    need_w = weight is not None and ctx.needs_input_grad[2]
-    dx, dw = torch.ops.fusedattn.rms_norm_bwd(dy, x, weight, rstd, ctx.n, need_w, ctx.backend)
-    return dx, None, dw.view(weight.shape).to(weight.dtype) if need_w else None, None, None
+    need_w = weight is not None and need_w
+    dx, dw = rms_norm_bwd_fn(dy, x, weight, rstd, ctx.n, need_w, ctx.backend)
+    return dx, dw.view(weight.shape).to(weight.dtype) if need_w else None
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    need_w = ctx.needs_input_grad[2]
+    dx, dw = _rms_norm_grads(ctx, dy, need_w, torch.ops.fusedattn.rms_norm_bwd)
+    return dx, None, dw, None, None
 
 
 rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def _rms_norm_bwd_eager(dy, x, weight, rstd, n, param_grads, backend):
+    dx, dw, _db = _backward(dy, x, weight, rstd, rstd, n, param_grads, True, backend)
+    return dx, dw
+
+
+class EagerRMSNorm(torch.autograd.Function):
+    """rms_norm_fwd / rms_norm_bwd for eager calls (see EagerLayerNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, n, eps, backend):
+        y, _mean, rstd = _forward(x, n, weight, None, eps, True, backend)
+        _save_rms_norm(ctx, x, weight, rstd, n, backend)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        dx, dw = _rms_norm_grads(ctx, dy, ctx.needs_input_grad[1], _rms_norm_bwd_eager)
+        return dx, dw, None, None, None
+
+
+def rms_norm(x, n, weight, eps, backend):
+    """RMSNorm over the trailing n elements, as layer_norm picks its path."""
+    if torch.compiler.is_compiling():
+        return rms_norm_fwd(x, n, weight, eps, backend)[0]
+    if _wants_autograd(x, weight):
+        return EagerRMSNorm.apply(x, weight, n, eps, backend)
+    return _forward(x, n, weight, None, eps, True, backend)[0]

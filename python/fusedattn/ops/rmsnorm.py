@@ -28,7 +28,7 @@ def _reference_rms_norm(x, normalized_shape, weight, eps):
 def _kernel_rms_norm(backend):
     def run(x, normalized_shape, weight, eps):
         n = math.prod(normalized_shape)
-        return norm_kernels.rms_norm_fwd(x, n, weight, eps, backend)[0]
+        return norm_kernels.rms_norm(x, n, weight, eps, backend)
 
     return run
 

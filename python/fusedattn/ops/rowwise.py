@@ -1,5 +1,6 @@
 """The softmax of the kernel backends as torch.library custom ops with fake implementations and
-autograd, so torch.compile(fullgraph=True) sees one opaque op per launch, and the helpers every
+autograd, so torch.compile(fullgraph=True) sees one opaque op per launch (eager calls take the
+same steps as a plain autograd.Function: `softmax` picks), and the helpers every
 kernel launcher shares (outputs, kernel modules, the extension, refusals). One op per step
 serves both backends (`backend` is "triton" or "cuda"), so the autograd and layout glue exist
 once. (Signatures say Optional[...]: torch.library infers the op schema from them, and
@@ -16,6 +17,7 @@ import os
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import backends
 
@@ -123,6 +125,10 @@ def softmax_fwd(
     is_causal: bool,
     backend: str,
 ) -> torch.Tensor:
+    return _softmax_forward(x, dim, mask, scale, is_causal, backend)
+
+
+def _softmax_forward(x, dim, mask, scale, is_causal, backend):
     y = empty_softmax_like(x, dim)
     x4, y4 = as_4d(x, dim), as_4d(y, dim)
     A, B, C, N = x4.shape
@@ -159,6 +165,10 @@ def softmax_bwd(
     y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float, backend: str
 ) -> torch.Tensor:
     """dx = scale * y * (dy - sum(dy * y)) along dim; dy is read, never written."""
+    return _softmax_backward_kernel(y, dy, dim, scale, backend)
+
+
+def _softmax_backward_kernel(y, dy, dim, scale, backend):
     dx = empty_softmax_like(y, dim)
     y4, dy4, dx4 = as_4d(y, dim), as_4d(dy, dim), as_4d(dx, dim)
     A, B, C, N = y4.shape
@@ -194,3 +204,34 @@ def _softmax_backward(ctx, dy):
 
 
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+class EagerSoftmax(torch.autograd.Function):
+    """softmax_fwd / softmax_bwd for eager calls without torch.library's autograd layer (host
+    time: benchmarks/bench_host.py), as flash_attention.EagerAttention. Once differentiable,
+    as the custom op."""
+
+    @staticmethod
+    def forward(ctx, x, dim, mask, scale, is_causal, backend):
+        y = _softmax_forward(x, dim, mask, scale, is_causal, backend)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.scale, ctx.backend = dim, scale, backend
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dx = _softmax_backward_kernel(y, dy, ctx.dim, ctx.scale, ctx.backend)
+        return dx, None, None, None, None, None
+
+
+def softmax(x, dim, mask, scale, is_causal, backend):
+    """Softmax along dim: the custom op when torch.compile traces, else the eager
+    autograd.Function, or no autograd node at all when no gradient is wanted. (The kernel
+    backends refuse a mask that wants a gradient.)"""
+    if torch.compiler.is_compiling():
+        return softmax_fwd(x, dim, mask, scale, is_causal, backend)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return EagerSoftmax.apply(x, dim, mask, scale, is_causal, backend)
+    return _softmax_forward(x, dim, mask, scale, is_causal, backend)
