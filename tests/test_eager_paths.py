@@ -93,3 +93,38 @@ def test_eager_and_custom_op_paths_agree():
         strict=True,
     ):
         torch.testing.assert_close(a, b_, rtol=0, atol=0)
+
+
+@pytest.mark.kernels
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize(
+    "module, shape",
+    [
+        (lambda: fusedattn.LayerNorm(16, backend="triton"), (3, 16)),
+        (lambda: fusedattn.RMSNorm(16, backend="triton"), (3, 16)),
+        (lambda: fusedattn.Softmax(-1, backend="triton"), (3, 16)),
+        (
+            lambda: fusedattn.MultiheadAttention(16, 2, batch_first=True, backend="triton"),
+            (1, 5, 16),
+        ),
+    ],
+    ids=["LayerNorm", "RMSNorm", "Softmax", "MultiheadAttention"],
+)
+def test_jit_trace_records_the_custom_op_and_replays_new_inputs(module, shape, grad):
+    """torch.jit.trace (what the modules' TorchScript refusal recommends) must record the
+    kernel: a trace of the eager path records no launch and replays the traced call's output
+    for every input (the LayerNorm no-grad trace did, silently)."""
+    mod = module().to(DEVICE)
+    n_args = 3 if isinstance(mod, fusedattn.MultiheadAttention) else 1
+    x = torch.randn(shape, device=DEVICE)
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(mod, (x,) * n_args, check_trace=False)
+    assert any(node.kind().startswith("fusedattn::") for node in traced.graph.nodes())
+    x2 = torch.randn(shape, device=DEVICE, requires_grad=True)
+    got, want = traced(*(x2,) * n_args), mod(*(x2,) * n_args)
+    got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+    torch.testing.assert_close(got, want)
+    (g_got,) = torch.autograd.grad(got.sum(), x2)
+    (g_want,) = torch.autograd.grad(want.sum(), x2)
+    torch.testing.assert_close(g_got, g_want)

@@ -21,6 +21,7 @@ from .rowwise import (
     extension_op_refusals,
     new_output,
     new_output_like,
+    tracing,
 )
 
 MAX_HEAD_DIM = 256
@@ -408,7 +409,7 @@ def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, m
             softcap, dropout_p, seed, backend)  # fmt: skip
     tensors = (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                cu_seqlens_k)  # fmt: skip
-    if torch.compiler.is_compiling():
+    if tracing():  # torch.compile or jit.trace: record the custom op
         out, lse = torch.ops.fusedattn.attention_fwd(*tensors, *rest)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         out, lse = EagerAttention.apply(*tensors, rest)

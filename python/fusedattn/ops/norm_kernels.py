@@ -17,6 +17,7 @@ from .rowwise import (
     kernels,
     new_output,
     program_budget,
+    tracing,
 )
 
 
@@ -217,9 +218,10 @@ def _wants_autograd(*tensors) -> bool:
 
 
 def layer_norm(x, n, weight, bias, eps, backend):
-    """LayerNorm over the trailing n elements: the custom op when torch.compile traces, else
-    the eager autograd.Function, or no autograd node at all when no gradient is wanted."""
-    if torch.compiler.is_compiling():
+    """LayerNorm over the trailing n elements: the custom op when torch.compile or jit.trace
+    records, else the eager autograd.Function, or no autograd node at all when no gradient is
+    wanted."""
+    if tracing():
         return layer_norm_fwd(x, n, weight, bias, eps, backend)[0]
     if _wants_autograd(x, weight, bias):
         return EagerLayerNorm.apply(x, weight, bias, n, eps, backend)
@@ -316,7 +318,7 @@ class EagerRMSNorm(torch.autograd.Function):
 
 def rms_norm(x, n, weight, eps, backend):
     """RMSNorm over the trailing n elements, as layer_norm picks its path."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return rms_norm_fwd(x, n, weight, eps, backend)[0]
     if _wants_autograd(x, weight):
         return EagerRMSNorm.apply(x, weight, n, eps, backend)

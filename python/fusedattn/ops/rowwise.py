@@ -206,6 +206,13 @@ def _softmax_backward(ctx, dy):
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
 
+def tracing() -> bool:
+    """torch.compile or torch.jit.trace is recording: the kernel backends then call their custom
+    ops, which both record (a jit.trace of the eager path records no kernel launch, and its
+    replay returns the traced call's output for any input)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 class EagerSoftmax(torch.autograd.Function):
     """softmax_fwd / softmax_bwd for eager calls without torch.library's autograd layer (host
     time: benchmarks/bench_host.py), as flash_attention.EagerAttention. Once differentiable,
@@ -227,10 +234,11 @@ class EagerSoftmax(torch.autograd.Function):
 
 
 def softmax(x, dim, mask, scale, is_causal, backend):
-    """Softmax along dim: the custom op when torch.compile traces, else the eager
-    autograd.Function, or no autograd node at all when no gradient is wanted. (The kernel
-    backends refuse a mask that wants a gradient.)"""
-    if torch.compiler.is_compiling():
+    """Softmax along dim: the custom op when torch.compile or jit.trace records (a trace of the
+    eager path would replay no kernel), else the eager autograd.Function, or no autograd node
+    at all when no gradient is wanted. (The kernel backends refuse a mask that wants a
+    gradient.)"""
+    if tracing():
         return softmax_fwd(x, dim, mask, scale, is_causal, backend)
     if torch.is_grad_enabled() and x.requires_grad:
         return EagerSoftmax.apply(x, dim, mask, scale, is_causal, backend)
