@@ -79,7 +79,9 @@ def short_name(mangled: str) -> str:
     """_ZN...attention_fwd_kernel<bf16, ForwardTraits<128,128,64,4,1>, false> -> a label such as
     fwd bf16 128.128.64.4.1 fast: the kernel, the dtype, the template numbers (traits, then the
     dK/dV pass), and fast or general (the last bool: attn_mask/dropout compiled in)."""
-    kernel = re.search(r"attention_(fwd|bwd_dq_sum|bwd_dq|bwd_dkdv|bwd_delta|bwd_fused)_kernel", mangled)
+    kernel = re.search(
+        r"attention_(fwd|bwd_dq_sum|bwd_dq|bwd_dkdv|bwd_delta|bwd_fused)_kernel", mangled
+    )
     dtype = "bf16" if "bfloat16" in mangled else "fp16"
     numbers = ".".join(re.findall(r"Li(\d+)E", mangled))
     flags = re.findall(r"Lb([01])E", mangled)
