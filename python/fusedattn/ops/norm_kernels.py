@@ -69,10 +69,11 @@ def _backward(dy, x, weight, mean, rstd, n, param_grads, rms, backend):
     dx = new_output((M, n), x.dtype, x.device)
     programs = K.backward_programs(M, program_budget(x.device))
     per_program = -(-M // programs) if M else 1
-    shape = (programs, n) if param_grads else (0,)
+    # dweight and dbias partials in one buffer: one allocation and one reduction launch for both
+    shape = (2, programs, n) if param_grads else (2, 0)
     alloc = torch.empty if M else torch.zeros  # no rows: the parameter gradients are 0
-    dw_partial = alloc(shape, dtype=torch.float32, device=x.device)
-    db_partial = alloc(shape, dtype=torch.float32, device=x.device)
+    partials = alloc(shape, dtype=torch.float32, device=x.device)
+    dw_partial, db_partial = partials[0], partials[1]
     if M:
         limit = min(K.MAX_ONE_PASS_N, K.MAX_ONE_PASS_BWD_N)  # longer rows would spill
         cfg = K.layer_norm_config(n, max_one_pass_n=limit)
@@ -97,7 +98,8 @@ def _backward(dy, x, weight, mean, rstd, n, param_grads, rms, backend):
                     RMS=rms, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                 )  # fmt: skip
     if param_grads:
-        return dx.view(x.shape), dw_partial.sum(0), db_partial.sum(0)
+        sums = partials.sum(1)
+        return dx.view(x.shape), sums[0], sums[1]
     return dx.view(x.shape), dw_partial, db_partial
 
 
@@ -144,7 +146,8 @@ def layer_norm_bwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dx, dweight_sum, dbias_sum), the parameter sums fp32 (n,) or empty."""
-    return _backward(dy, x, weight, mean, rstd, n, param_grads, False, backend)
+    dx, dw, db = _backward(dy, x, weight, mean, rstd, n, param_grads, False, backend)
+    return dx, dw, db.clone()  # dw and db are views of one buffer; op outputs may not alias
 
 
 @layer_norm_bwd.register_fake
