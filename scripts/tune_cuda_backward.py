@@ -2,7 +2,8 @@
 "fused" (one pass per key block, per-split fp32 dQ partials, a summing kernel), with SDPA's
 flash backend in the same run: backward TFLOP/s (2.5x the forward's FLOPs, the flash-attention
 papers' count) for bf16, H=16, B*T = 16k tokens, D=64 and 128, causal and not, with and
-without key padding. Each fused result is checked against the split one first. Decides
+without key padding (those rows count T^2 FLOPs: nominal, the same for both). Each fused
+result is checked against the split one first (max_err_vs_split). Decides
 attention_launch.cuh's kFusedBackwardByDefault (issue #13). No tuning build needed.
 
     python3 scripts/tune_cuda_backward.py [--out DIR] [--lengths 1024,4096]
