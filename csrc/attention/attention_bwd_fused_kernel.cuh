@@ -122,11 +122,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const uint32_t qdo_nt_offset = ldmatrix_lane_offset<T, kPitch, false>(lane);
   const uint32_t qdo_trans_offset = ldmatrix_lane_offset<T, kPitch, true>(lane);
 
-  static_assert(kBlockM <= kThreads, "one lse/delta row per thread");
-  struct Stats {
-    float lse2, delta;
-  };
-
   for (int nb = split; nb < num_n_blocks; nb += p.dq_splits) {
     const int n0 = nb * kBlockN;
     const bool first_of_split = nb == split;  // stores its dQ partials; later blocks add
@@ -138,30 +133,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int tiles_per_head = max(0, num_m - m_begin);
     const int tiles = group * tiles_per_head;
 
-    // As the dK/dV kernel: Q and dO of query tile (head, m_begin + mi) by cp.async into buffer
-    // `buf`, its lse and delta into registers, stored to shared memory after this tile's compute.
-    auto prefetch = [&](int head, int mi, int buf) -> Stats {
-      const int64_t h = hk * group + head;
-      const int m0 = (m_begin + mi) * kBlockM;
-      const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-      const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
-      TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim)
-          .load(sQ0_addr + buf * kTileBytes, m0, Tq);
-      TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v)
-          .load(sdO0_addr + buf * kTileBytes, m0, Tq);
-      cp_async_commit();
-      const int row = m0 + static_cast<int>(threadIdx.x);
-      const int64_t stats = (b * p.heads + h) * Tq + row;
-      const bool real = threadIdx.x < kBlockM && row < Tq;
-      return {real ? lse_log2(p.lse[stats]) : INFINITY, real ? p.delta[stats] : 0.f};
+    auto prefetch = [&](int head, int mi, int buf) {
+      return prefetch_query_tile<T, kBlockM, kD, kThreads>(p, b, hk, group, m_begin, Tq, head, mi,
+                                                           buf, sQ0_addr, sdO0_addr);
     };
-    auto store_stats = [&](const Stats& st, int buf) {
-      if (threadIdx.x < kBlockM) {
-        sLse0[buf * kBlockM + threadIdx.x] = st.lse2;
-        sDelta0[buf * kBlockM + threadIdx.x] = st.delta;
-      }
-    };
-    if (tiles > 0) store_stats(prefetch(0, 0, 0), 0);
+    if (tiles > 0) store_query_stats<kBlockM>(prefetch(0, 0, 0), 0, sLse0, sDelta0);
 
     float acc_dk[1][kDTiles][4], acc_dv[1][kDTiles][4];
     zero(acc_dk);
@@ -173,7 +149,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto query_tile = [&](const int tile, const int head, const int mi, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
       const int buf = tile & 1;
-      Stats next{};
+      QueryStats next{};
       if (tile + 1 < tiles) {
         const bool same_head = mi + 1 < tiles_per_head;
         next = prefetch(same_head ? head : head + 1, same_head ? mi + 1 : 0, buf ^ 1);
@@ -195,24 +171,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       zero(acc_dpt);
       gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_st, k_frag, sQ + qdo_nt_offset);
       gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_dpt, v_frag, sdO + qdo_nt_offset);
-#pragma unroll
-      for (int nt = 0; nt < kQTiles; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = key_row0 + g + 8 * (i >> 1);
-          const int qi = nt * 8 + 2 * t + (i & 1);
-          float pr;
-          if (kMasked) {
-            const float s2 = masked_score<false>(p, b, h, m0 + qi, key, key_hidden_row[i >> 1],
-                                                 acc_st[0][nt][i] * scale_log2);
-            pr = ex2(s2 - sLse[qi]);
-          } else {
-            pr = ex2(fmaf(acc_st[0][nt][i], scale_log2, -sLse[qi]));
-          }
-          acc_st[0][nt][i] = pr;
-          acc_dpt[0][nt][i] = pr * (acc_dpt[0][nt][i] - sDelta[qi]);
-        }
-      }
+      transposed_probabilities<kMasked, false, true>(acc_st, acc_dpt, p, b, h, m0, key_row0, g, t,
+                                                     key_hidden_row, sLse, sDelta, scale_log2,
+                                                     false, 0, 1.f);
       uint32_t a[1][kQTiles / 2][4];
       to_a_fragments<T, 1, kQTiles>(a, acc_st);
       gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dv, a, sdO + qdo_trans_offset);
@@ -249,7 +210,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
       }
-      if (tile + 1 < tiles) store_stats(next, buf ^ 1);  // read after the next barrier
+      if (tile + 1 < tiles)
+        store_query_stats<kBlockM>(next, buf ^ 1, sLse0, sDelta0);  // read after the next barrier
       __syncthreads();  // every warp is done with Q, dO and dS^T before they are refilled
     };
 

@@ -223,6 +223,84 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 #endif
 }
 
+// The query tiles of the kernels that sweep them per key block (dK/dV here, and the fused
+// backward): Q and dO of tile (q head `head` of kv head hk's GQA group, query block
+// m_begin + mi) by cp.async into buffer `buf` of the two at sQ0 / sdO0; its lse and delta (one
+// row per thread) into registers, for the kernel to store to shared memory (store_query_stats)
+// after the current tile's compute, so the loads' latency hides behind it. (The arguments are
+// the kernels' own values: computing the head and row at the call site instead cost the dK/dV
+// loop 6 SASS instructions per iteration.)
+struct QueryStats {
+  float lse2, delta;
+};
+
+template <typename T, int kBlockM, int kD, int kThreads>
+__device__ __forceinline__ QueryStats prefetch_query_tile(const AttentionParams& p, int64_t b,
+                                                          int64_t hk, int group, int m_begin,
+                                                          int Tq, int head, int mi, int buf,
+                                                          uint32_t sQ0, uint32_t sdO0) {
+  static_assert(kBlockM <= kThreads, "one lse/delta row per thread");
+  constexpr uint32_t kTileBytes = kBlockM * (kD + 8) * sizeof(T);
+  const int64_t h = hk * group + head;
+  const int m0 = (m_begin + mi) * kBlockM;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
+  TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim)
+      .load(sQ0 + buf * kTileBytes, m0, Tq);
+  TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v)
+      .load(sdO0 + buf * kTileBytes, m0, Tq);
+  cp_async_commit();
+  const int row = m0 + static_cast<int>(threadIdx.x);
+  const int64_t stats = (b * p.heads + h) * Tq + row;
+  const bool real = threadIdx.x < kBlockM && row < Tq;
+  return {real ? lse_log2(p.lse[stats]) : INFINITY, real ? p.delta[stats] : 0.f};
+}
+
+// A query tile's lse and delta (prefetch_query_tile) into buffer `buf` of the kernel's shared
+// [2][kBlockM] arrays.
+template <int kBlockM>
+__device__ __forceinline__ void store_query_stats(const QueryStats& st, int buf, float* sLse0,
+                                                  float* sDelta0) {
+  if (threadIdx.x < kBlockM) {
+    sLse0[buf * kBlockM + threadIdx.x] = st.lse2;
+    sDelta0[buf * kBlockM + threadIdx.x] = st.delta;
+  }
+}
+
+// From transposed scores S^T (acc_st) and dP^T (acc_dpt, kDoDK) of a warp's 16 keys (rows g
+// and g + 8 from key_row0; lane = 4 g + t) by a tile's kQTiles * 8 queries from m0: P^T times the
+// dropout factor (what the forward multiplied V by) into acc_st and dS^T = P^T (dP^T keep - delta)
+// into acc_dpt. kMasked: the masks applied (kGeneral: attn_mask too); otherwise the scale folds
+// into exp2's FFMA. Rows past seqlen_q need no mask: their lse2 = +inf makes P 0.
+template <bool kMasked, bool kGeneral, bool kDoDK, int kQTiles>
+__device__ __forceinline__ void transposed_probabilities(
+    float (&acc_st)[1][kQTiles][4], float (&acc_dpt)[1][kQTiles][4], const AttentionParams& p,
+    int64_t b, int64_t h, int m0, int key_row0, int g, int t, const bool (&key_hidden_row)[2],
+    const float* sLse, const float* sDelta, float scale_log2, bool dropout, uint64_t seed,
+    float inv_keep) {
+#pragma unroll
+  for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = key_row0 + g + 8 * (i >> 1);
+      const int qi = nt * 8 + 2 * t + (i & 1);
+      float pr;
+      if (kMasked) {
+        const float s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, key_hidden_row[i >> 1],
+                                                acc_st[0][nt][i] * scale_log2);
+        pr = ex2(s2 - sLse[qi]);
+      } else {
+        pr = ex2(fmaf(acc_st[0][nt][i], scale_log2, -sLse[qi]));
+      }
+      const float keep = dropout ? dropout_factor(seed, b * p.heads + h, m0 + qi, key, p.seqlen_q,
+                                                  p.seqlen_k, p.dropout_p, inv_keep)
+                                 : 1.f;
+      acc_st[0][nt][i] = pr * keep;
+      if (kDoDK) acc_dpt[0][nt][i] = pr * (acc_dpt[0][nt][i] * keep - sDelta[qi]);
+    }
+  }
+}
+
 // kPass: 0 computes dK and dV, 1 only dV, 2 only dK (see BackwardKVTraits::kSplitPasses).
 template <typename T, typename Traits, int kPass, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -258,7 +336,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   cp_async_commit();
 
   // Causal: query blocks wholly above this key block's first key see none of it.
-  const int m_begin = p.is_causal ? n0 / kBlockM : 0;
+  const int m_begin = first_query_tile(n0, p.is_causal, kBlockM);
   const int num_m = (Tq + kBlockM - 1) / kBlockM;
   const int tiles_per_head = max(0, num_m - m_begin);
   const int tiles = group * tiles_per_head;
@@ -269,35 +347,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float inv_keep = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const float scale_log2 = p.scale * kLog2e;
 
-  // Query tile (q head `head` of the group, query block m_begin + mi): Q and dO by cp.async
-  // into buffer `buf`; its lse and delta (one row per thread) into registers, stored to shared
-  // memory by store_stats after this tile's compute, so the loads' latency hides behind it.
-  static_assert(kBlockM <= kThreads, "one lse/delta row per thread");
-  struct Stats {
-    float lse2, delta;
+  auto prefetch = [&](int head, int mi, int buf) {
+    return prefetch_query_tile<T, kBlockM, kD, kThreads>(p, b, hk, group, m_begin, Tq, head, mi,
+                                                         buf, sQ0_addr, sdO0_addr);
   };
-  auto prefetch = [&](int head, int mi, int buf) -> Stats {
-    const int64_t h = hk * group + head;
-    const int m0 = (m_begin + mi) * kBlockM;
-    const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-    const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride[0] + h * p.dout_stride[1];
-    TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim)
-        .load(sQ0_addr + buf * kTileBytes, m0, Tq);
-    TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v)
-        .load(sdO0_addr + buf * kTileBytes, m0, Tq);
-    cp_async_commit();
-    const int row = m0 + static_cast<int>(threadIdx.x);
-    const int64_t stats = (b * p.heads + h) * Tq + row;
-    const bool real = threadIdx.x < kBlockM && row < Tq;
-    return {real ? lse_log2(p.lse[stats]) : INFINITY, real ? p.delta[stats] : 0.f};
-  };
-  auto store_stats = [&](const Stats& st, int buf) {
-    if (threadIdx.x < kBlockM) {
-      sLse0[buf * kBlockM + threadIdx.x] = st.lse2;
-      sDelta0[buf * kBlockM + threadIdx.x] = st.delta;
-    }
-  };
-  if (tiles > 0) store_stats(prefetch(0, 0, 0), 0);
+  if (tiles > 0) store_query_stats<kBlockM>(prefetch(0, 0, 0), 0, sLse0, sDelta0);
 
   float acc_dk[1][kDTiles][4], acc_dv[1][kDTiles][4];
   zero(acc_dk);
@@ -317,7 +371,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto query_tile = [&](const int tile, const int head, const int mi, auto masked) {
     constexpr bool kMasked = decltype(masked)::value;
     const int buf = tile & 1;
-    Stats next{};
+    QueryStats next{};
     if (tile + 1 < tiles) {
       const bool same_head = mi + 1 < tiles_per_head;
       next = prefetch(same_head ? head : head + 1, same_head ? mi + 1 : 0, buf ^ 1);
@@ -341,27 +395,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       zero(acc_dpt);
       gemm_smem_nt<T, 1, kQTiles, kD, kPitch>(acc_dpt, v_frag, sdO + qdo_nt_offset);
     }
-#pragma unroll
-    for (int nt = 0; nt < kQTiles; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = key_row0 + g + 8 * (i >> 1);
-        const int qi = nt * 8 + 2 * t + (i & 1);
-        float pr;
-        if (kMasked) {
-          const float s2 = masked_score<kGeneral>(p, b, h, m0 + qi, key, key_hidden_row[i >> 1],
-                                                  acc_st[0][nt][i] * scale_log2);
-          pr = ex2(s2 - sLse[qi]);
-        } else {
-          pr = ex2(fmaf(acc_st[0][nt][i], scale_log2, -sLse[qi]));
-        }
-        const float keep = dropout ? dropout_factor(seed, b * p.heads + h, m0 + qi, key, Tq, Tk,
-                                                    p.dropout_p, inv_keep)
-                                   : 1.f;
-        acc_st[0][nt][i] = pr * keep;  // the probabilities the forward multiplied V by
-        if (kDoDK) acc_dpt[0][nt][i] = pr * (acc_dpt[0][nt][i] * keep - sDelta[qi]);
-      }
-    }
+    transposed_probabilities<kMasked, kGeneral, kDoDK>(acc_st, acc_dpt, p, b, h, m0, key_row0, g, t,
+                                                       key_hidden_row, sLse, sDelta, scale_log2,
+                                                       dropout, seed, inv_keep);
     uint32_t a[1][kQTiles / 2][4];
     if (kDoDV) {
       to_a_fragments<T, 1, kQTiles>(a, acc_st);
@@ -371,7 +407,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       to_a_fragments<T, 1, kQTiles>(a, acc_dpt);
       gemm_regs_smem<T, 1, kQTiles / 2, kDTiles, kPitch>(acc_dk, a, sQ + qdo_trans_offset);
     }
-    if (tile + 1 < tiles) store_stats(next, buf ^ 1);  // read after the next barrier
+    if (tile + 1 < tiles)
+      store_query_stats<kBlockM>(next, buf ^ 1, sLse0, sDelta0);  // read after the next barrier
     __syncthreads();  // every warp is done with this buffer before it is refilled
   };
 
