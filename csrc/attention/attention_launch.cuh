@@ -47,6 +47,7 @@
 //   FlashAttention-2's atomicAdd path, and a summing pass over the splits' accumulators.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -266,19 +267,31 @@ int fused_backward_dq_splits(const AttentionParams& p) {
                         (kind == BackwardKernel::kAuto && attn::kFusedBackwardByDefault);
     if (!wanted || attn::needs_general_variant(p) || p.dscores != nullptr) return 0;
     if (p.seqlen_q == 0 || p.seqlen_k == 0) return 0;
-    int device = 0, optin = 0, sms = 0, resident = 0;
+    // Resident blocks of this kernel on the whole device (0: its shared memory does not fit,
+    // as on sm_86/89's 99 KB at head dim 128), once per device: the binding and the launch
+    // both ask, on every backward. (Two threads may both fill an entry, with the same value.)
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> wave_of[kMaxDevices];  // resident blocks + 1; 0 = not asked yet
+    int device = 0;
     FUSEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-    FUSEDATTN_CUDA_CHECK(
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (F::kSmemBytes > optin) return 0;  // sm_86/89 (99 KB) at head dim 128
-    FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    auto kernel = attn::attention_bwd_fused_kernel<T, F>;
-    attn::set_smem(kernel, F::kSmemBytes);
-    FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, kernel, F::kNThreads, F::kSmemBytes));
+    int wave = device < kMaxDevices ? wave_of[device].load(std::memory_order_relaxed) - 1 : -1;
+    if (wave < 0) {
+      int optin = 0, sms = 0, resident = 0;
+      FUSEDATTN_CUDA_CHECK(
+          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      if (F::kSmemBytes <= optin) {
+        FUSEDATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        auto kernel = attn::attention_bwd_fused_kernel<T, F>;
+        attn::set_smem(kernel, F::kSmemBytes);
+        FUSEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &resident, kernel, F::kNThreads, F::kSmemBytes));
+      }
+      wave = sms * resident;
+      if (device < kMaxDevices) wave_of[device].store(wave + 1, std::memory_order_relaxed);
+    }
     const int num_n_blocks = static_cast<int>(attn::ceil_div(p.seqlen_k, F::kBlockN));
     return attn::fused_backward_splits(static_cast<int64_t>(p.batch) * p.kv_heads, num_n_blocks,
-                                       sms * resident, attn::kMaxDqSplits);
+                                       wave, attn::kMaxDqSplits);
   }
 }
 
