@@ -1,5 +1,6 @@
 """Empty inputs give the same result on every backend (an empty or all-zero result, never a
-crash): attention with no keys, no queries or no batch; softmax over an empty dim."""
+crash): attention with no keys, no queries or no batch; softmax over an empty dim; LayerNorm and
+RMSNorm over a normalized_shape holding a 0."""
 
 import pytest
 import torch
@@ -41,3 +42,24 @@ def test_attention_with_nothing_to_attend(backend, B, Tq, Tk, with_sinks, device
     grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
     for g, t in zip(grads, (q, k, v), strict=True):
         assert g is None or (g.shape == t.shape and (g == 0).all())
+
+
+@pytest.mark.parametrize(
+    "backend", [*BACKENDS, pytest.param("cuda", marks=pytest.mark.gpu), "auto"]
+)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_over_a_zero_sized_normalized_shape_is_empty(backend, op, device):
+    """normalized_shape may hold a 0, as in F.layer_norm / F.rms_norm: an empty output and
+    empty gradients (the kernel backends used to fail reshaping 0 elements into rows of 0)."""
+    x = torch.randn(2, 0, 3, device=device, requires_grad=True)
+    w = torch.randn(0, 3, device=device, requires_grad=True)
+    b = torch.randn(0, 3, device=device, requires_grad=True)
+    if op == "layer_norm":
+        y, leaves = fusedattn.layer_norm(x, (0, 3), w, b, backend=backend), (x, w, b)
+    else:
+        y, leaves = fusedattn.rms_norm(x, (0, 3), w, backend=backend), (x, w)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    grads = torch.autograd.grad(y.sum(), leaves)
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    module = fusedattn.LayerNorm((0, 3)) if op == "layer_norm" else fusedattn.RMSNorm((0, 3))
+    assert module.to(device)(x).shape == x.shape

@@ -278,8 +278,9 @@ def check_layer_norm_args(x, normalized_shape, weight, bias, eps) -> tuple[int, 
     check_tensor("x", x)
     check_float_dtype("x", x)
     shape = normalize_shape(normalized_shape)
-    if len(shape) == 0 or any(s <= 0 for s in shape):
-        raise ValueError(f"normalized_shape must be non-empty and positive, got {shape}")
+    # zero-sized dims are allowed, as in F.layer_norm: the output is then empty
+    if len(shape) == 0 or any(s < 0 for s in shape):
+        raise ValueError(f"normalized_shape must be non-empty and non-negative, got {shape}")
     if x.dim() < len(shape) or tuple(x.shape[-len(shape) :]) != shape:
         raise ValueError(
             f"x of shape {shape_str(x.shape)} must end with normalized_shape {shape_str(shape)}"

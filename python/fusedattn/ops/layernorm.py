@@ -33,6 +33,8 @@ def _reference_layer_norm(x, normalized_shape, weight, bias, eps):
 def _kernel_layer_norm(backend):
     def run(x, normalized_shape, weight, bias, eps):
         n = math.prod(normalized_shape)
+        if n == 0:  # a zero-sized normalized dim: the output is empty; torch's op keeps autograd
+            return _torch_layer_norm(x, normalized_shape, weight, bias, eps)
         return norm_kernels.layer_norm(x, n, weight, bias, eps, backend)
 
     return run
