@@ -2,6 +2,9 @@
 
     python scripts/tune_triton_attention.py [--out DIR] [--jobs 16] [--cases d128,d128c,d64,d64c]
 
+`--cases d128cs` (not in the default list) is D=128 causal with Gemma-2's softcap of 50: its
+shipped rows against d128c's say what the softcap costs per kernel.
+
 For each kernel (fwd, dq, dkdv) and each candidate tiling (the shipped one first), at the
 H200 comparison points (bf16, B=4, H=16, T=4096; D=128 and 64, causal and not): the kernel's
 median time (triton.testing.do_bench), TFLOP/s, the speedup over the shipped tiles, and the
@@ -34,7 +37,12 @@ CANDIDATES = {
     "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2"],
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3"],
 }  # fmt: skip
-CASES = {"d128": (128, False), "d128c": (128, True), "d64": (64, False), "d64c": (64, True)}
+# case: (head dim, causal, softcap)
+CASES = {
+    "d128": (128, False, 0.0), "d128c": (128, True, 0.0), "d64": (64, False, 0.0),
+    "d64c": (64, True, 0.0), "d128cs": (128, True, 50.0),
+}  # fmt: skip
+DEFAULT_CASES = "d128,d128c,d64,d64c"
 B, H, T = 4, 16, 4096
 FLOPS = {"fwd": 4.0, "dq": 6.0, "dkdv": 8.0}  # per (q, k) pair and head dim: GEMMs of each kernel
 
@@ -49,7 +57,7 @@ def tiles(spec: str):
     return Tiles(int(bm), int(bn), int(warps), int(stages), tma)
 
 
-def setup(D: int, causal: bool, device, dtype, shape=(B, H, T)):
+def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0):
     """Inputs, the forward/backward buffers a shipped-tiles run fills, and launch builders."""
     import torch
 
@@ -68,7 +76,7 @@ def setup(D: int, causal: bool, device, dtype, shape=(B, H, T)):
         cfg = base if spec is None else dataclasses.replace(base, **{kernel: tiles(spec)})
         return TritonAttentionLaunch(
             q, k, v, None, None, None, None, None, None, 0, 0, -1, 0 if causal else -1, False,
-            D**-0.5, 0.0, 0.0, None, config=cfg,
+            D**-0.5, softcap, 0.0, None, config=cfg,
         )  # fmt: skip
 
     out = torch.empty(b, t, h, D, device=device, dtype=dtype).transpose(1, 2)
@@ -104,8 +112,8 @@ def compile_one(case: str, kernel: str, spec: str | None) -> str:
     """Child process: compile one candidate into Triton's cache (no timing)."""
     import torch
 
-    D, causal = CASES[case]
-    bufs, launch = setup(D, causal, torch.device("cuda"), torch.bfloat16)
+    D, causal, softcap = CASES[case]
+    bufs, launch = setup(D, causal, torch.device("cuda"), torch.bfloat16, softcap=softcap)
     fn, grid, args, constexprs, _ = kernel_call(kernel, launch(kernel, spec), bufs)
     fn.warmup(*args, grid=grid, **constexprs)
     return f"{case} {kernel} {spec or 'shipped'}"
@@ -123,7 +131,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"of {','.join(CASES)}")
     args = parser.parse_args(argv)
     import torch
 
@@ -149,10 +157,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune_triton_attention.csv"
     for case in cases:
-        D, causal = CASES[case]
+        D, causal, softcap = CASES[case]
         dtype = torch.bfloat16 if gpu else torch.float32
         shape = (B, H, T) if gpu else (1, 2, 64)
-        bufs, launch = setup(D, causal, device, dtype, shape)
+        bufs, launch = setup(D, causal, device, dtype, shape, softcap)
         for kernel, specs in CANDIDATES.items():
             shipped_ms = reference = None
             for spec in [None, *specs]:
