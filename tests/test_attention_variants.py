@@ -379,11 +379,12 @@ def test_key_padding_tiles_are_skipped_by_the_valid_key_range(monkeypatch):
     s = AttentionShape(2, 2, 2, T, T, 16, 16)
     q, k, v = make_qkv(s, torch.float32, torch.get_default_device(), requires_grad=True)
     no_padding = torch.zeros(2, T, dtype=torch.bool)
-    told = torch.tensor([[bn, 2 * bn], [0, 3 * bn]], dtype=torch.int32)
+    # [first, end) and the flag "no padding inside the range" (true here: nothing is padding)
+    told = torch.tensor([[bn, 2 * bn, 1], [0, 3 * bn, 1]], dtype=torch.int32)
     monkeypatch.setattr(attention_launch, "valid_key_range", lambda kpm: told.to(kpm.device))
     out = fusedattn.attention(q, k, v, key_padding_mask=no_padding, backend="triton")
     outside = torch.arange(T)[None, :] < told[:, :1]
-    outside |= torch.arange(T)[None, :] >= told[:, 1:]
+    outside |= torch.arange(T)[None, :] >= told[:, 1:2]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = reference.attention(q64, k64, v64, key_padding_mask=outside.to(q.device))
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -392,6 +393,88 @@ def test_key_padding_tiles_are_skipped_by_the_valid_key_range(monkeypatch):
     expected = torch.autograd.grad(want, (q64, k64, v64), grad.double())
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+def padding_pattern(pattern: str, T: int, bn: int) -> torch.Tensor:
+    """(2, T) key padding masks, True = padding, each batch row cutting tiles differently."""
+    kpm = torch.zeros(2, T, dtype=torch.bool)
+    if pattern == "right":
+        kpm[0, 3 * bn + 5 :] = True
+        kpm[1, T - 1 :] = True
+    elif pattern == "left":
+        kpm[0, : bn + 7] = True
+        kpm[1, : 2 * bn] = True
+    elif pattern == "both_ends":
+        kpm[0, :5] = True
+        kpm[0, 4 * bn + 1 :] = True
+        kpm[1, :bn] = True
+        kpm[1, 3 * bn :] = True
+    elif pattern == "hole":
+        kpm[:, 2 * bn + 3 : 2 * bn + 9] = True
+        kpm[1, 3 * bn : 4 * bn] = True
+    else:  # scattered
+        kpm = torch.rand(2, T) < 0.3
+    return kpm
+
+
+@kernels
+@pytest.mark.parametrize("pattern", ["right", "left", "both_ends", "hole", "scattered"])
+@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+def test_key_padding_patterns_across_whole_and_cut_tiles(pattern, causal):
+    """Padding only at the ends lets the forward and dQ kernels run the whole tiles inside the
+    real keys without reading the padding mask; any hole sends every tile through the loops
+    that read it. Both give the reference's answer, forward and backward, with the real keys
+    spanning whole tiles and cut ones."""
+    _, bn = block_sizes()
+    T = 5 * bn + 3
+    s = AttentionShape(2, 2, 1, T, T, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    kpm = padding_pattern(pattern, T, bn).to(q.device)
+    kwargs = dict(key_padding_mask=kpm, is_causal=causal, enable_gqa=True)
+    op = partial(fusedattn.attention, backend="triton")
+    assert_op_kx(op, reference.attention, dict(q=q, k=k, v=v), grad_of=ALL, kwargs=kwargs)
+
+    # NaN in the padded keys changes nothing, bit for bit: they are never read
+    def run(k, v):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = op(*leaves, **kwargs)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    poison = kpm[:, None, :, None].expand_as(k)
+    clean = run(k, v)
+    poisoned = run(k.masked_fill(poison, float("nan")), v.masked_fill(poison, float("nan")))
+    for a, b in zip(clean, poisoned, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels),
+     pytest.param("cuda", marks=pytest.mark.gpu)],
+)  # fmt: skip
+def test_nan_in_padded_keys_reaches_no_output_or_gradient(backend, device):
+    """A padded key never contributes, even a NaN in its key or value: the output and every
+    gradient are those of the same call with finite padded keys (the Triton dQ kernel and the
+    reference once multiplied dS = 0 by the NaN key)."""
+    s = AttentionShape(2, 2, 2, 33, 70, 16, 16)
+    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    q, k, v = make_qkv(s, dtype, device)
+    kpm = torch.zeros(2, 70, dtype=torch.bool, device=device)
+    kpm[0, 50:] = True
+    kpm[1, :9] = True
+    kpm[1, 30:34] = True
+
+    def run(k, v):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fusedattn.attention(*leaves, key_padding_mask=kpm, backend=backend)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    poison = kpm[:, None, :, None].expand_as(k)
+    clean = run(k, v)
+    poisoned = run(k.masked_fill(poison, float("nan")), v.masked_fill(poison, float("nan")))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), clean, poisoned, strict=True):
+        assert torch.isfinite(b).all(), name
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("side", ["right", "left", "middle", "all"])
@@ -407,5 +490,6 @@ def test_valid_key_range_of_each_padding_pattern(side):
         kpm[:, 4:6] = True  # a hole: the range spans it, the mask hides it
     else:
         kpm[:] = True
-    want = {"right": [0, 7], "left": [3, 10], "middle": [0, 10], "all": [10, 0]}[side]
+    # [first, end), and whether every key inside it is real
+    want = {"right": [0, 7, 1], "left": [3, 10, 1], "middle": [0, 10, 0], "all": [10, 0, 1]}[side]
     assert valid_key_range(kpm).tolist() == [want]

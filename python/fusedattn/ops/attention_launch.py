@@ -40,14 +40,17 @@ def dot_flags(q: torch.Tensor) -> dict:
 
 
 def valid_key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
-    """(B, 2) int32 [first, end) of each batch row's keys that are not padding (end <= first
-    when all are): the kernels skip the tiles outside it. A few small device ops, no sync."""
+    """(B, 3) int32 per batch row: [first, end) of the keys that are not padding (end <= first
+    when all are), and 1 when every key in that range is real (padding only at the ends), else
+    0. The kernels skip the tiles outside the range, and with the flag set read no padding
+    mask for the whole tiles inside it. A few small device ops, no sync."""
     T = key_padding_mask.shape[1]
     index = torch.arange(T, device=key_padding_mask.device, dtype=torch.int32)
     valid = ~key_padding_mask
     first = torch.where(valid, index, T).amin(-1)
     end = torch.where(valid, index + 1, 0).amax(-1)
-    return torch.stack([first, end], dim=-1)  # int32: index is, and T fits
+    contiguous = valid.sum(-1, dtype=torch.int32) == (end - first).clamp(min=0)
+    return torch.stack([first, end, contiguous.to(torch.int32)], dim=-1)  # int32: T fits
 
 
 def _mask_args(q, k, attn_mask, key_padding_mask):

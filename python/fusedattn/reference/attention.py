@@ -87,8 +87,9 @@ def attention(
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         causal_alignment=causal_alignment,
     )  # fmt: skip
-    if key_padding_mask is not None:  # a padded key never contributes, even a NaN in v
-        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    if key_padding_mask is not None:  # a padded key never contributes, even a NaN in it
+        pad = key_padding_mask[:, None, :, None]
+        k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # k too: dq sums dS * k
     scores = attention_scores(
         q, k, attn_mask, scale=scale, key_padding_mask=key_padding_mask, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes,
