@@ -206,6 +206,23 @@ static void check_fused_backward_splits() {
   CHECK(fused_backward_splits(5, 32, 132, 4) == 0, "too few kv heads");
 }
 
+// splits_within_memory: never past max_splits, never past max_bytes together, and the most
+// that fit; 0 exactly when one split alone is over the cap.
+static void check_splits_within_memory() {
+  for (int64_t per = 1; per <= 40; ++per) {
+    for (int64_t cap = 0; cap <= 200; ++cap) {
+      const int got = splits_within_memory(per, cap, 4);
+      CHECK(got >= 0 && got <= 4 && got * per <= cap, "per=%lld cap=%lld: got %d", (long long)per,
+            (long long)cap, got);
+      CHECK(got == 4 || (got + 1) * per > cap, "per=%lld cap=%lld: %d is not the most",
+            (long long)per, (long long)cap, got);
+    }
+  }
+  const int64_t gib = int64_t{1} << 30, mib = int64_t{1} << 20;
+  CHECK(splits_within_memory(128 * mib, gib, 4) == 4, "B=4 H=16 T=4096 D=128 keeps 4 splits");
+  CHECK(splits_within_memory(2 * gib, gib, 4) == 0, "T=128K H=32 D=128: the two kernels");
+}
+
 int main() {
   check_copy_layouts_for_cols<32>();
   check_copy_layouts_for_cols<64>();
@@ -217,6 +234,7 @@ int main() {
   check_masked_query_tiles();
   check_fused_backward_schedule();
   check_fused_backward_splits();
+  check_splits_within_memory();
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
 }

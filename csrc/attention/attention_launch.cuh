@@ -92,6 +92,10 @@ constexpr bool kFusedBackwardByDefault = false;
 // At most this many fp32 dQ accumulators (each B * H * Tq * head_dim * 4 bytes); a call that
 // would need more to fill the GPU runs the two-kernel backward.
 constexpr int kMaxDqSplits = 4;
+// ... and at most this many bytes of them together: 4 splits of B=4 H=16 T=4096 D=128 take
+// 512 MiB, but at T=128K one split of one 32-head sequence takes 2 GiB, memory the two-kernel
+// backward does not need. A call past the cap runs fewer splits, or the two kernels.
+constexpr int64_t kMaxDqAccumBytes = int64_t{1} << 30;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -290,8 +294,13 @@ int fused_backward_dq_splits(const AttentionParams& p) {
       if (device < kMaxDevices) wave_of[device].store(wave + 1, std::memory_order_relaxed);
     }
     const int num_n_blocks = static_cast<int>(attn::ceil_div(p.seqlen_k, F::kBlockN));
+    const int64_t accum_bytes =  // one split's accumulator, as the binding allocates it
+        static_cast<int64_t>(p.batch) * p.heads * p.seqlen_q * p.head_dim * sizeof(float);
+    const int max_splits =
+        attn::splits_within_memory(accum_bytes, attn::kMaxDqAccumBytes, attn::kMaxDqSplits);
+    if (max_splits == 0) return 0;
     return attn::fused_backward_splits(static_cast<int64_t>(p.batch) * p.kv_heads, num_n_blocks,
-                                       wave, attn::kMaxDqSplits);
+                                       wave, max_splits);
   }
 }
 

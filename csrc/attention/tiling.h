@@ -120,5 +120,15 @@ FUSEDATTN_HOST_DEVICE int fused_backward_splits(int64_t kv_blocks, int num_n_blo
   return best;
 }
 
+// How many fp32 dQ accumulators of bytes_per_split each the fused backward may allocate: at
+// most max_splits, and together at most max_bytes; 0 when not even one fits (the two-kernel
+// backward then runs: it needs none).
+FUSEDATTN_HOST_DEVICE int splits_within_memory(int64_t bytes_per_split, int64_t max_bytes,
+                                               int max_splits) {
+  if (bytes_per_split <= 0) return max_splits;
+  const int64_t fit = max_bytes / bytes_per_split;
+  return fit < max_splits ? static_cast<int>(fit) : max_splits;
+}
+
 }  // namespace attn
 }  // namespace fusedattn
