@@ -6,7 +6,7 @@ Every impl gets the same mask (SDPA through one merged mask, as a user would pas
 `pass` column checks each impl's forward against float64 with the k× rule on a slice of the
 case (one batch, two heads), so the check stays cheap at large T.
 
-Two variant rows (mask column):
+Three variant rows (mask column):
 - `window`: causal sliding window (Mistral-style, W keys); fusedattn takes `window_size` and
   skips the tiles outside it, `fusedattn-<b>+dense` is the same attention given the window as
   a dense bool mask (what a user without window support passes), SDPA gets that dense mask,
@@ -14,6 +14,10 @@ Two variant rows (mask column):
 - `varlen`: a packed batch of sequences with lengths uniform in [T/2, T];
   `fusedattn.varlen_attention` on the packed tokens against SDPA and the naive path on the
   padded batch with key padding. TFLOP/s count the useful FLOPs (sum of L² per sequence).
+- `softcap` (full GPU runs and the CPU smoke run): causal attention with Gemma 2's logit
+  softcap of 50 (s = 50·tanh(s / 50)); SDPA cannot apply it, so fusedattn runs against the
+  naive path (and FlexAttention's score_mod in full runs). Compare with the plain causal row
+  of the same shape for what the softcap costs.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from fusedattn import masks, reference
 
 MASKS = ("none", "key_padding", "dense")
 VARIANT_MASKS = ("window", "varlen")
+SOFTCAP = 50.0  # Gemma 2's attention logit softcap
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         return [Case(1, 2, T, D, c, m, torch.float32) for T, D, c, m in grid] + [
             Case(1, 2, 256, 64, True, "window", torch.float32),
             Case(3, 2, 128, 64, False, "varlen", torch.float32),
+            Case(1, 2, 128, 64, True, "softcap", torch.float32),
         ]
     # GPU: H = 16 and B·T = 16k tokens, the ENVIRONMENT.md comparison point.
     lengths = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384]
@@ -61,6 +67,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         Case(8, 16, 4096, 128, False, "varlen", torch.bfloat16),
         Case(8, 16, 4096, 128, True, "varlen", torch.bfloat16),
     ]
+    if not quick:  # gpu-check's quick pass has no time left for it: tune_triton_attention.py
+        variants.append(Case(4, 16, 4096, 128, True, "softcap", torch.bfloat16))
     return [
         Case(max(1, 16384 // T), 16, T, D, c, m, torch.bfloat16) for T, D, c, m in grid
     ] + variants
@@ -175,7 +183,7 @@ def implementations(device, quick: bool = True) -> dict:
     return impls
 
 
-def check_on_slice(fn, inputs, causal):
+def check_on_slice(fn, inputs, causal, softcap=0.0):
     """k× verdict for fn on batch 0, heads 0-1 of the case, against float64."""
     q, k, v, m, kpm = inputs
     sl = (slice(0, 1), slice(0, 2))
@@ -184,10 +192,9 @@ def check_on_slice(fn, inputs, causal):
     kpms = None if kpm is None else kpm[:1]
     with torch.no_grad():
         out = fn(qs, ks, vs, ms, kpms, causal)
-        ref = reference.attention(
-            qs.double(), ks.double(), vs.double(), ms, is_causal=causal, key_padding_mask=kpms
-        )
-        base = reference.attention(qs, ks, vs, ms, is_causal=causal, key_padding_mask=kpms)
+        kw = dict(is_causal=causal, key_padding_mask=kpms, softcap=softcap)
+        ref = reference.attention(qs.double(), ks.double(), vs.double(), ms, **kw)
+        base = reference.attention(qs, ks, vs, ms, **kw)
     return harness.correctness(out, ref, base)
 
 
@@ -203,6 +210,40 @@ def window_impls(case: Case, base: dict) -> dict:
         )
         impls[name + "+dense"] = lambda q, k, v, m, kpm, c, b=b: fusedattn.attention(
             q, k, v, m, backend=b
+        )
+    return impls
+
+
+def softcap_impls(base: dict) -> dict:
+    """The softcap case: the naive path and each fusedattn backend with softcap=SOFTCAP (SDPA
+    and fusedattn's torch backend refuse it; the CUDA backend refuses it too, and says so)."""
+    impls = {
+        "naive": lambda q, k, v, m, kpm, c: reference.attention(
+            q, k, v, m, is_causal=c, key_padding_mask=kpm, softcap=SOFTCAP
+        )
+    }
+    if "flex" in base:  # softcap as a score_mod, causal (the case always is) as a block mask
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+        block_masks = {}
+
+        def softcap_mod(score, b, h, qi, ki):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+        def flex(q, k, v, m, kpm, c):
+            key = (q.shape[2], k.shape[2], q.device)
+            if key not in block_masks:
+                block_masks[key] = create_block_mask(
+                    lambda b, h, qi, ki: ki <= qi, None, None, *key[:2], device=q.device
+                )
+            return compiled(q, k, v, score_mod=softcap_mod, block_mask=block_masks[key])
+
+        impls["flex"] = flex
+    for name in (n for n in base if n.startswith("fusedattn-")):
+        b = name.split("-", 1)[1]
+        impls[name] = lambda q, k, v, m, kpm, c, b=b: fusedattn.attention(
+            q, k, v, m, is_causal=c, key_padding_mask=kpm, softcap=SOFTCAP, backend=b
         )
     return impls
 
@@ -270,6 +311,8 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
         impls = base_impls
         if case.mask == "window":
             impls = window_impls(case, base_impls)
+        elif case.mask == "softcap":
+            impls = softcap_impls(base_impls)
         elif case.mask == "varlen":  # fusedattn runs the packed tokens (below)
             impls = {n: fn for n, fn in base_impls.items() if not n.startswith("fusedattn-")}
         q, k, v, m, kpm = inputs
@@ -297,9 +340,9 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
             impls={name: (lambda q, k, v, fn=fn, m=m, kpm=kpm, c=case.causal:
                           fn(q, k, v, m, kpm, c)) for name, fn in impls.items()},
             leaves=[q, k, v],
-            check=lambda name, inputs=inputs, c=case.causal, impls=impls: check_on_slice(
-                impls[name], inputs, c
-            ),
+            check=lambda name, inputs=inputs, c=case.causal, impls=impls, sc=(
+                SOFTCAP if case.mask == "softcap" else 0.0
+            ): check_on_slice(impls[name], inputs, c, sc),
             fields=fields, work=work,
         )  # fmt: skip
         if case.mask == "varlen":

@@ -57,6 +57,8 @@ def row_key(r: dict) -> tuple | None:
         return None
     if op == "attention":
         mask = {"dense": "bool"}.get(r["mask"], r["mask"])
+        if mask == "softcap":  # auto keys softcap calls as "variant": the default order
+            return None
         if mask == "varlen":  # measured as attention rows, run by varlen_attention
             op = "varlen_attention"
         key = auto.attention_key_of(r["dtype"], int(r["D"]), r["causal"] == "True", mask,

@@ -130,6 +130,8 @@ def test_generator_orders_by_speed_against_the_fastest_sdpa_with_a_margin(genera
         case("naive", 20.0),
         case("sdpa-efficient", 1.0, mask="none"), case("fusedattn-triton", 0.5, mask="none", ok="no: wrong"),
         case("sdpa-flash", 1.0, mode="bwd"), case("fusedattn-triton", 0.1, mode="bwd"),
+        # softcap rows: no call has that kind (auto keys softcap calls as "variant"): no key
+        case("sdpa-flash", 1.0, mask="softcap"), case("fusedattn-triton", 0.1, mask="softcap"),
     ])  # fmt: skip
     table = generator.build([tmp_path], set(), 0.03)
     keys = table["sm_90"]["attention"]
@@ -138,6 +140,7 @@ def test_generator_orders_by_speed_against_the_fastest_sdpa_with_a_margin(genera
         "torch",
     )  # failed rows do not count
     assert not any(k[0] == "bwd" for k in keys)  # auto never asks for bwd alone
+    assert not any(k[4] == "softcap" for k in keys)
     stale = generator.build([tmp_path], {("fusedattn-triton", "attention")}, 0.03)
     assert stale["sm_90"]["attention"][("fwd", "bfloat16", 128, True, "key_padding", "<=4k")] == (
         "torch",

@@ -126,7 +126,7 @@ ON_GPU_THE_BENCH_RUNS = pytest.mark.skipif(
 def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     """The GPU-only fusedattn rows of the variant cases, run here through the interpreter so a
     GPU session does not find their bugs: window_size and the same window as a dense mask,
-    and varlen_attention on packed tokens; every row passes the k× check."""
+    varlen_attention on packed tokens, softcap; every row passes the k× check."""
     import bench_attention
 
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
@@ -134,13 +134,15 @@ def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     variants = [
         c
         for c in bench_attention.cases(True, torch.device("cpu"))
-        if c.mask in ("window", "varlen")
+        if c.mask in ("window", "varlen", "softcap")
     ]
     monkeypatch.setattr(bench_attention, "cases", lambda quick, device: variants)
     rows = bench_attention.run(True, torch.device("cpu"), {"device": "cpu"})
     impls = {(r["mask"], r["impl"]) for r in rows}
     assert {("window", "fusedattn-triton"), ("window", "fusedattn-triton+dense"),
-            ("varlen", "fusedattn-triton"), ("varlen", "sdpa")} <= impls  # fmt: skip
+            ("varlen", "fusedattn-triton"), ("varlen", "sdpa"), ("softcap", "naive"),
+            ("softcap", "fusedattn-triton")} <= impls  # fmt: skip
+    assert not any(r["mask"] == "softcap" and r["impl"].startswith("sdpa") for r in rows)
     assert all(r["pass"] == "yes" for r in rows), [r for r in rows if r["pass"] != "yes"]
     window = [r for r in rows if r["mask"] == "window" and r["mode"] == "fwd"]
     assert len({r["tflops"] for r in window}) == 1  # one FLOP count (the window's) for all
