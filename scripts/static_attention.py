@@ -10,9 +10,9 @@ ENVIRONMENT.md) where fusedattn is installed (`FUSEDATTN_SKIP_CUDA_BUILD=1 pip i
     python scripts/static_attention.py --tool ../shared/tools/sm90_static.py \\
         --variants plain,causal,window --tiles fwd=128x64w8s3,fwd=64x64w4s2 --csv out.csv
 
-Tiles are KERNEL=BMxBNwWARPSsSTAGES[t] with KERNEL one of fwd, dkdv, dq and a trailing t for
-tensor-descriptor (TMA) copies (the forward only); the kernels not named keep the default GPU
-tiles. Each (variant, kernel, tiles) compiles in its own process.
+Tiles are KERNEL=BMxBNwWARPSsSTAGES[t|m] with KERNEL one of fwd, dkdv, dq, a trailing t for
+tensor-descriptor (TMA) copies (the forward only) and m for dK/dV's boundary loops merged into
+one (Tiles.merge); the kernels not named keep the default GPU tiles. Each (variant, kernel, tiles) compiles in its own process.
 """
 
 from __future__ import annotations
@@ -43,11 +43,16 @@ KERNELS = ("fwd", "dkdv", "dq")
 
 
 def parse_tiles(spec: str):
+    """KERNEL=BMxBNwWsS, a trailing t (tensor descriptors, fwd) or m (merged boundary loops,
+    dkdv) -> (kernel, Tiles fields)."""
     kernel, _, rest = spec.partition("=")
-    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)", rest)
-    if kernel not in KERNELS or not m or (m.group(5) and kernel != "fwd"):
-        raise argparse.ArgumentTypeError(f"tiles look like fwd=128x64w8s3[t], got {spec!r}")
-    return kernel, (*(int(g) for g in m.groups()[:4]), m.group(5) == "t")
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)([tm]?)", rest)
+    flag = m.group(5) if m else ""
+    if kernel not in KERNELS or not m or {"t": "fwd", "m": "dkdv", "": kernel}[flag] != kernel:
+        raise argparse.ArgumentTypeError(
+            f"tiles look like fwd=128x64w8s3[t] or dkdv=64x128w8s3[m], got {spec!r}"
+        )
+    return kernel, (*(int(g) for g in m.groups()[:4]), flag == "t", flag == "m")
 
 
 def _load_tool(path: str):
@@ -110,7 +115,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, 
         variant=variant,
         head_dim=D,
         kernel=kernel,
-        tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}{'t' if t.tma else ''}",
+        tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}{'t' if t.tma else ''}{'m' if t.merge else ''}",
     )
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
     loops = tool.loops(compiled)

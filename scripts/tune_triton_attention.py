@@ -28,14 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-# (kernel, "BMxBNwWARPSsSTAGES[t]", t: tensor-descriptor (TMA) copies); the shipped tiles are
-# always measured first
+# (kernel, "BMxBNwWARPSsSTAGES[t|m]", t: tensor-descriptor (TMA) copies, m: dK/dV's boundary
+# loops merged, Tiles.merge); the shipped tiles are always measured first
 # (64x64w4s2: the tiles every card got before the H100 tuning; still the default off Hopper)
 CANDIDATES = {
     "fwd": ["64x64w4s2", "128x128w8s2", "128x64w8s3", "64x64w4s2t", "128x128w8s2t",
             "128x64w8s3t"],
     "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2"],
-    "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3"],
+    "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x64w4s2m"],
 }  # fmt: skip
 # case: (head dim, causal, softcap)
 CASES = {
@@ -48,13 +48,15 @@ FLOPS = {"fwd": 4.0, "dq": 6.0, "dkdv": 8.0}  # per (q, k) pair and head dim: GE
 
 
 def tiles(spec: str):
+    """BMxBNwWARPSsSTAGES, a trailing t: tensor descriptors (fwd), m: merged boundary loops
+    (dkdv, Tiles.merge)."""
     from fusedattn.triton_kernels.attention import Tiles
 
-    tma = spec.endswith("t")
-    bm, rest = spec.removesuffix("t").split("x")
+    flag = spec[-1] if spec[-1] in "tm" else ""
+    bm, rest = spec.removesuffix(flag).split("x")
     bn, rest = rest.split("w")
     warps, stages = rest.split("s")
-    return Tiles(int(bm), int(bn), int(warps), int(stages), tma)
+    return Tiles(int(bm), int(bn), int(warps), int(stages), tma=flag == "t", merge=flag == "m")
 
 
 def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0):

@@ -99,6 +99,50 @@ def test_triton_variants_any_layout(layout):
           VARIANTS["everything"], layout=layout)  # fmt: skip
 
 
+@pytest.fixture
+def merged_dkdv_boundaries(monkeypatch):
+    """Every call's dK/dV kernel runs Tiles.merge (both boundary ranges in one loop): off by
+    default until a GPU times it, so its correctness is checked here."""
+    import dataclasses
+
+    from fusedattn.triton_kernels import attention as A
+
+    config = A.attention_config
+
+    def merged(*args, **kwargs):
+        cfg = config(*args, **kwargs)
+        return dataclasses.replace(cfg, dkdv=dataclasses.replace(cfg.dkdv, merge=True))
+
+    monkeypatch.setattr(A, "attention_config", merged)
+
+
+@kernels
+@pytest.mark.usefixtures("merged_dkdv_boundaries")
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+@pytest.mark.parametrize(
+    "name", ["causal_window", "bottom_right_causal", "bottom_right_window", "left_only", "alibi",
+             "sinks", "everything"],
+)  # fmt: skip
+def test_triton_variants_with_merged_dkdv_boundary_loops(name, shape):
+    check("triton", shape, torch.float32, VARIANTS[name])
+
+
+@kernels
+@pytest.mark.usefixtures("merged_dkdv_boundaries")
+@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+def test_merged_dkdv_boundary_loops_with_key_padding_and_a_float_mask(causal):
+    _, bn = block_sizes()
+    T = 5 * bn + 3
+    s = AttentionShape(2, 2, 1, T, T, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    kpm = padding_pattern("both_ends", T, bn).to(q.device)
+    mask = torch.randn(1, 2, T, T, device=q.device)
+    kwargs = dict(key_padding_mask=kpm, is_causal=causal, enable_gqa=True)
+    op = partial(fusedattn.attention, backend="triton")
+    assert_op_kx(op, reference.attention, dict(q=q, k=k, v=v, attn_mask=mask),
+                 grad_of=(*ALL, "attn_mask"), kwargs=kwargs)  # fmt: skip
+
+
 @kernels
 def test_triton_rows_that_see_nothing_give_zero_grads_and_the_sink_as_lse():
     s = AttentionShape(1, 2, 2, 40, 8, 16, 16)
@@ -129,7 +173,8 @@ def block_sizes():
     # the tiles the fp32 inputs below get: FMA dots unless TF32 is allowed
     ieee = gpu and not torch.backends.cuda.matmul.allow_tf32
     cfg = attention_config(16, 16, gpu, ieee_fp32=ieee)
-    assert cfg.fwd == cfg.dkdv == cfg.dq  # the test reads one tiling for every kernel
+    tilings = {(t.block_m, t.block_n) for t in (cfg.fwd, cfg.dkdv, cfg.dq)}
+    assert len(tilings) == 1  # the test reads one tiling for every kernel
     return cfg.fwd.block_m, cfg.fwd.block_n
 
 

@@ -38,13 +38,18 @@ LN2 = 0.6931471805599453
 class Tiles:
     """One kernel's tiling: query rows and keys per tile, warps, pipeline stages; tma: read
     and write the (B, H, T, D) tensors through host-built tensor descriptors (the forward only;
-    Hopper's TMA copies, no per-element address arithmetic) where their layout allows it."""
+    Hopper's TMA copies, no per-element address arithmetic) where their layout allows it;
+    merge: run both boundary ranges of query tiles in one loop (dK/dV only): on sm_90, Triton
+    3.6 waits on every wgmma when the kernel has three loops (causal, windows, ALiBi: 24
+    warpgroup arrive/wait pairs per iteration against 4), but the merged loop spills in some
+    variants (benchmarks/results/sm90-static/): off until a GPU times it."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     tma: bool = False
+    merge: bool = False
 
 
 @dataclass(frozen=True)
@@ -467,8 +472,8 @@ def attention_fwd(
             acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
             b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
             window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
-            dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
+            dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
             BLOCK_N, BLOCK_D, BLOCK_DV,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -491,19 +496,29 @@ def attention_fwd(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi, cols, d, dv,
-    b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
-    MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
+    dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi, lo2, hi2,
+    cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left,
+    window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, TWO_RANGES: tl.constexpr,
 ):  # fmt: skip
-    """dk, dv contributions of query tiles [lo, hi), computed transposed (Sᵀ = K·Qᵀ, keys
-    along rows) so that Pᵀ and dSᵀ feed the dk/dv products without register transposes."""
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)  # loops start on tile boundaries
+    """dk, dv contributions of query tiles [lo, hi), then with TWO_RANGES [lo2, hi2) in the
+    same loop (Tiles.merge), computed transposed (Sᵀ = K·Qᵀ, keys along rows) so that Pᵀ and
+    dSᵀ feed the dk/dv products without register transposes."""
+    if TWO_RANGES:
+        n_first = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+        n_tiles = n_first + tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_M)
+        end = n_tiles * BLOCK_M
+    else:
+        end = hi
+    for start_m in range(lo if not TWO_RANGES else 0, end, BLOCK_M):
+        if TWO_RANGES:  # start_m counts tiles of both ranges from 0
+            i = start_m // BLOCK_M
+            start_m = tl.where(i < n_first, lo + start_m, lo2 + (i - n_first) * BLOCK_M)
+        start_m = tl.multiple_of(start_m, BLOCK_M)  # every range starts on a tile boundary
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ptr = rows.to(tl.int64)
         if POSITIONAL:
@@ -558,6 +573,7 @@ def attention_bwd_dkdv(
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MERGE_BOUNDARIES: tl.constexpr = False,
 ):  # fmt: skip
     """dk, dv of one key block of one kv head, summed over the q heads of its group in a fixed
     order (deterministic GQA)."""
@@ -602,15 +618,24 @@ def attention_bwd_dkdv(
         DO_head = DO + b * sdo_b + h * sdo_h + q_start * sdo_t
         LSE_head = LSE + b * slse_b + h * slse_h + q_start
         DELTA_head = DELTA + b * slse_b + h * slse_h + q_start
-        for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
-            first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
+        # boundary, interior (no positional mask), boundary; with MERGE_BOUNDARIES the
+        # interior, then both boundary ranges in one loop (see Tiles.merge)
+        for part in tl.static_range(2 if MERGE_BOUNDARIES else 3):
+            if MERGE_BOUNDARIES:
+                first, last, first2, last2 = mid_lo, mid_hi, mid_hi, mid_hi
+                if part == 1:
+                    first, last, first2, last2 = lo, mid_lo, mid_hi, hi
+            else:
+                first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
+                first2, last2 = last, last
             dk, dv_acc = _dkdv_tiles(
                 dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
-                last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap,
-                window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D,
-                Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, False, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED,
-                BLOCK_M,
+                last, first2, last2, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale,
+                softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k,
+                skp_b, D, Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, False, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+                (part == 1) if MERGE_BOUNDARIES else (part != 1), PRECISION, DOT_IN_FP32,
+                INTERPRETED, BLOCK_M, MERGE_BOUNDARIES and part == 1,
             )  # fmt: skip
     if HAS_KPM:
         # Key padding is applied here, once, not to every tile's scores: row j of dK and dV
@@ -740,9 +765,9 @@ def attention_bwd_dq(
                 dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows,
                 d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
                 window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D,
-                Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, True, False, PRECISION, DOT_IN_FP32,
-                INTERPRETED, BLOCK_N,
+                Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, True, False, PRECISION,
+                DOT_IN_FP32, INTERPRETED, BLOCK_N,
             )  # fmt: skip
     for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
         first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
@@ -750,9 +775,9 @@ def attention_bwd_dq(
             dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows, d,
             dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
             window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
-            Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            HAS_ALIBI, DROPOUT, part != 1, False, MASK_GRAD, PRECISION, DOT_IN_FP32,
-            INTERPRETED, BLOCK_N,
+            Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,
+            HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, False, MASK_GRAD, PRECISION,
+            DOT_IN_FP32, INTERPRETED, BLOCK_N,
         )  # fmt: skip
     tl.store(DQ + b * sdq_b + h * sdq_h + row_ptr[:, None] * sdq_t + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=inb[:, None] & (d < D)[None, :])  # fmt: skip

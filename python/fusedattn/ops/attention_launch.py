@@ -201,7 +201,8 @@ class TritonAttentionLaunch:
             self.Dv, self.H // self.Hkv, self.key_blocks("dkdv"), *self.scalars,
         )  # fmt: skip
         grid = (self.B * self.Hkv * self.key_blocks("dkdv"),)
-        return grid, args, dict(**self.flags, **self.tiles("dkdv"))
+        merge = dict(MERGE_BOUNDARIES=True) if self.cfg.dkdv.merge else {}
+        return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge)
 
     def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad):
         args = (
