@@ -125,8 +125,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   for (int nb = split; nb < num_n_blocks; nb += p.dq_splits) {
     const int n0 = nb * kBlockN;
     const bool first_of_split = nb == split;  // stores its dQ partials; later blocks add
-    TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim).load(sK_addr, n0, Tk);
-    TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v).load(sV_addr, n0, Tk);
+    // Padded keys' K and V rows: zeros (TileCopy::load), for dQ = dS K as well.
+    const uint8_t* key_pad = key_padding_row(p, b);
+    TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim).load(sK_addr, n0, Tk, key_pad);
+    TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v)
+        .load(sV_addr, n0, Tk, key_pad);
     cp_async_commit();
 
     const int m_begin = first_query_tile(n0, p.is_causal, kBlockM);

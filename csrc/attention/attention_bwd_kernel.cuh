@@ -97,9 +97,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   auto v_copy = [&] { return TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v); };
   TileCopy<kBlockM, kD, kThreads, T>(q, p.q_stride[2], p.head_dim).load(sQ_addr, m0, Tq);
   TileCopy<kBlockM, kD, kThreads, T>(dout, p.dout_stride[2], p.head_dim_v).load(sdO_addr, m0, Tq);
-  if (n_blocks > 0) {
-    k_copy().load(sK0_addr, 0, Tk);
-    v_copy().load(sV0_addr, 0, Tk);
+  if (n_blocks > 0) {  // padded keys' K and V rows: zeros (TileCopy::load)
+    k_copy().load_in_loop(sK0_addr, 0, Tk, key_padding_row(p, b));
+    v_copy().load_in_loop(sV0_addr, 0, Tk, key_padding_row(p, b));
   }
   cp_async_commit();
   const uint32_t q_frag =
@@ -144,8 +144,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     if (step + 1 < steps) {  // prefetch the next tile into the other buffer
       const int next_n0 = ((step + 1) % n_blocks) * kBlockN;
       const uint32_t next = ((step + 1) & 1) * kTileBytes;
-      k_copy().load(sK0_addr + next, next_n0, Tk);
-      v_copy().load(sV0_addr + next, next_n0, Tk);
+      // Key padding makes every tile masked: the unmasked steps compile no padding check.
+      const uint8_t* skip = kMasked ? key_padding_row(p, b) : nullptr;
+      k_copy().load_in_loop(sK0_addr + next, next_n0, Tk, skip);
+      v_copy().load_in_loop(sV0_addr + next, next_n0, Tk, skip);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -331,8 +333,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
-  TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim).load(sK_addr, n0, Tk);
-  TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v).load(sV_addr, n0, Tk);
+  // Padded keys' K and V rows: zeros (TileCopy::load), so their dK and dV rows are zeros.
+  const uint8_t* key_pad = key_padding_row(p, b);
+  TileCopy<kBlockN, kD, kThreads, T>(k, p.k_stride[2], p.head_dim).load(sK_addr, n0, Tk, key_pad);
+  TileCopy<kBlockN, kD, kThreads, T>(v, p.v_stride[2], p.head_dim_v).load(sV_addr, n0, Tk, key_pad);
   cp_async_commit();
 
   // Causal: query blocks wholly above this key block's first key see none of it.

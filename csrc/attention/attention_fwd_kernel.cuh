@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     cp_async_wait<0>();
     __syncthreads();  // Q and K tile nb landed; every warp is done with V tile nb-1
     if (kMasked) {
-      v_copy().load(sV_addr, n0, Tk);
+      v_copy().load_in_loop(sV_addr, n0, Tk, key_padding_row(p, b));  // padded keys' V: zeros
     } else {
       v_copy().template load<false>(sV_addr, n0, Tk);  // whole tiles
     }

@@ -25,6 +25,12 @@ __device__ __forceinline__ bool key_hidden(const AttentionParams& p, int64_t b, 
   return p.key_padding && p.key_padding[b * p.key_padding_stride + k];
 }
 
+// Batch b's row of the key padding mask, indexed by key (TileCopy::load's `skip` rows: padded
+// keys' K and V rows are zero-filled), or nullptr without key padding.
+__device__ __forceinline__ const uint8_t* key_padding_row(const AttentionParams& p, int64_t b) {
+  return p.key_padding ? p.key_padding + b * p.key_padding_stride : nullptr;
+}
+
 // Which of a thread's key columns in a C-fragment tile starting at key n0 are hidden:
 // hidden(nt, j) for key n0 + 8 * nt + 2 * (lane % 4) + j. Each lane reads one key per 32 (a
 // coalesced byte per lane), a warp ballot shares the words, and a lane keeps them shifted to

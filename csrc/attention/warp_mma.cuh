@@ -130,6 +130,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 // address and a row-and-column predicate (issue #13).
 //
 // The thread-to-chunk layout is CopyLayout's (tiling.h).
+template <typename Copy>
+__device__ __noinline__ void load_skipping_rows(const Copy& copy, uint32_t tile, int row0,
+                                                int row_end, const uint8_t* skip);
+
 template <int kRows, int kCols, int kThreads, typename T>
 struct TileCopy {
   using Layout = CopyLayout<kRows, kCols, kThreads>;
@@ -155,15 +159,19 @@ struct TileCopy {
     src_bytes = kFixedColumn ? (col < col_end ? 16 : 0) : col_end;
   }
 
-  // Rows [row0, row0 + kRows) into the tile at shared address `tile`.
-  template <bool kCheckRows>
-  __device__ __forceinline__ void load(uint32_t tile, int row0, int row_end) const {
+  // Rows [row0, row0 + kRows) into the tile at shared address `tile`. kSkipRows: a row r whose
+  // byte skip[r] is nonzero is zero-filled too (key padding: see load() with `skip` below).
+  template <bool kCheckRows, bool kSkipRows = false>
+  __device__ __forceinline__ void load(uint32_t tile, int row0, int row_end,
+                                       const uint8_t* skip = nullptr) const {
     if constexpr (kFixedColumn) {
       const T* src = gmem + static_cast<int64_t>(row0 + row) * row_stride;
       const uint32_t dst = tile + smem_offset;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const bool in_rows = !kCheckRows || row0 + row + s * kRowsPerStep < row_end;
+        const int r = row0 + row + s * kRowsPerStep;
+        bool in_rows = !kCheckRows || r < row_end;
+        if constexpr (kSkipRows) in_rows = in_rows && !skip[r];
         cp_async_16(dst + s * kRowsPerStep * kPitch * sizeof(T), src, in_rows ? src_bytes : 0);
         src += row_stride * kRowsPerStep;
       }
@@ -173,7 +181,8 @@ struct TileCopy {
       for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
         const int r = c / kChunksPerRow;
         const int col = (c % kChunksPerRow) * 8;
-        const bool valid = (!kCheckRows || row0 + r < row_end) && col < col_end;
+        bool valid = (!kCheckRows || row0 + r < row_end) && col < col_end;
+        if constexpr (kSkipRows) valid = valid && !skip[row0 + r];
         const T* src = gmem + static_cast<int64_t>(row0 + r) * row_stride + col;
         cp_async_16(tile + (r * kPitch + col) * sizeof(T), valid ? src : gmem, valid ? 16 : 0);
       }
@@ -187,7 +196,40 @@ struct TileCopy {
       load<true>(tile, row0, row_end);
     }
   }
+  // K and V tiles under key padding: rows whose key is padding (skip[r] nonzero; skip = the
+  // batch's key_padding_mask row, nullptr for none) are zero-filled, not copied. The scores
+  // mask those keys (P = 0), but P = 0 times a NaN or inf stored at a padded position is NaN
+  // in the MMA: zero rows keep the output and every gradient what they are with finite
+  // padding. One byte load per row and step, only for calls with key padding.
+  __device__ __forceinline__ void load(uint32_t tile, int row0, int row_end,
+                                       const uint8_t* skip) const {
+    if (skip == nullptr) {
+      load(tile, row0, row_end);
+    } else {
+      load<true, true>(tile, row0, row_end, skip);
+    }
+  }
+  // The same with the skipping copy out of line (load_skipping_rows), for the key loops of the
+  // forward and dQ kernels: inlined into the forward's masked loop it changed the register
+  // allocation of its unmasked loop too (sm_90a, D=128: 926 -> 955 SASS instructions per
+  // iteration; 926 as a call). Loads outside the hot loops (dK/dV, fused backward) inline it:
+  // there the call cost the fused kernel's query loop 46 instructions.
+  __device__ __forceinline__ void load_in_loop(uint32_t tile, int row0, int row_end,
+                                               const uint8_t* skip) const {
+    if (skip == nullptr) {
+      load(tile, row0, row_end);
+    } else {
+      load_skipping_rows(*this, tile, row0, row_end, skip);
+    }
+  }
 };
+
+// TileCopy::load with `skip`, out of line (see load_in_loop).
+template <typename Copy>
+__device__ __noinline__ void load_skipping_rows(const Copy& copy, uint32_t tile, int row0,
+                                                int row_end, const uint8_t* skip) {
+  copy.template load<true, true>(tile, row0, row_end, skip);
+}
 
 // acc[mt][nt] += A[rows of m-tile mt] * B^T[cols of n-tile nt] over kK: A (16*kMTiles x kK)
 // and B (8*kNTiles x kK) both row-major in padded shared memory (S = Q K^T, dP = dO V^T).
