@@ -72,7 +72,8 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, 
     from fusedattn.triton_kernels import attention as A
 
     v = VARIANTS[variant]
-    cfg = A.attention_config(D, D, on_gpu=True, arch=90)  # the tiles an sm_90 card gets
+    cfg = A.attention_config(D, D, on_gpu=True, arch=90,  # the tiles an sm_90 card gets
+                             alibi_or_varlen=bool(v.get("alibi") or v.get("varlen")))  # fmt: skip
     if tiles is not None:
         cfg = dataclasses.replace(cfg, **{kernel: A.Tiles(*tiles)})
     bf16 = dict(dtype=torch.bfloat16)

@@ -3,7 +3,9 @@
     python scripts/tune_triton_attention.py [--out DIR] [--jobs 16] [--cases d128,d128c,d64,d64c]
 
 `--cases d128cs` (not in the default list) is D=128 causal with Gemma-2's softcap of 50: its
-shipped rows against d128c's say what the softcap costs per kernel.
+shipped rows against d128c's say what the softcap costs per kernel. `--cases d128w` is D=128
+causal with a 1024-key sliding window (Mistral's layout): the merged dK/dV loops were timed on
+causal only, and the window's merged loop spilled a little more in the sm_90 screen.
 
 For each kernel (fwd, dq, dkdv) and each candidate tiling (the shipped one first), at the
 H200 comparison points (bf16, B=4, H=16, T=4096; D=128 and 64, causal and not): the kernel's
@@ -38,14 +40,22 @@ CANDIDATES = {
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x128w8s2m",
              "64x64w4s2m"],
 }  # fmt: skip
-# case: (head dim, causal, softcap)
+# case: (head dim, causal, softcap, window: keys left of the diagonal, -1 for none)
 CASES = {
-    "d128": (128, False, 0.0), "d128c": (128, True, 0.0), "d64": (64, False, 0.0),
-    "d64c": (64, True, 0.0), "d128cs": (128, True, 50.0),
+    "d128": (128, False, 0.0, -1), "d128c": (128, True, 0.0, -1), "d64": (64, False, 0.0, -1),
+    "d64c": (64, True, 0.0, -1), "d128cs": (128, True, 50.0, -1), "d128w": (128, True, 0.0, 1024),
 }  # fmt: skip
 DEFAULT_CASES = "d128,d128c,d64,d64c"
 B, H, T = 4, 16, 4096
 FLOPS = {"fwd": 4.0, "dq": 6.0, "dkdv": 8.0}  # per (q, k) pair and head dim: GEMMs of each kernel
+
+
+def visible_pairs(t: int, causal: bool, window: int) -> float:
+    """(query, key) pairs a square T x T call computes: all, causal's half, or the band of a
+    window of `window` keys left of the diagonal (as FlexAttention counts them)."""
+    if window >= 0:
+        return sum(min(i, window) + 1 for i in range(t))
+    return t * t * (0.5 if causal else 1.0)
 
 
 def tiles(spec: str):
@@ -60,7 +70,7 @@ def tiles(spec: str):
     return Tiles(int(bm), int(bn), int(warps), int(stages), tma=flag == "t", merge=flag == "m")
 
 
-def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0):
+def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, window=-1):
     """Inputs, the forward/backward buffers a shipped-tiles run fills, and launch builders."""
     import torch
 
@@ -78,7 +88,7 @@ def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0):
     def launch(kernel=None, spec=None):
         cfg = base if spec is None else dataclasses.replace(base, **{kernel: tiles(spec)})
         return TritonAttentionLaunch(
-            q, k, v, None, None, None, None, None, None, 0, 0, -1, 0 if causal else -1, False,
+            q, k, v, None, None, None, None, None, None, 0, 0, window, 0 if causal else -1, False,
             D**-0.5, softcap, 0.0, None, config=cfg,
         )  # fmt: skip
 
@@ -115,8 +125,9 @@ def compile_one(case: str, kernel: str, spec: str | None) -> str:
     """Child process: compile one candidate into Triton's cache (no timing)."""
     import torch
 
-    D, causal, softcap = CASES[case]
-    bufs, launch = setup(D, causal, torch.device("cuda"), torch.bfloat16, softcap=softcap)
+    D, causal, softcap, window = CASES[case]
+    bufs, launch = setup(D, causal, torch.device("cuda"), torch.bfloat16, softcap=softcap,
+                         window=window)  # fmt: skip
     fn, grid, args, constexprs, _ = kernel_call(kernel, launch(kernel, spec), bufs)
     fn.warmup(*args, grid=grid, **constexprs)
     return f"{case} {kernel} {spec or 'shipped'}"
@@ -160,10 +171,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune_triton_attention.csv"
     for case in cases:
-        D, causal, softcap = CASES[case]
+        D, causal, softcap, window = CASES[case]
         dtype = torch.bfloat16 if gpu else torch.float32
         shape = (B, H, T) if gpu else (1, 2, 64)
-        bufs, launch = setup(D, causal, device, dtype, shape, softcap)
+        bufs, launch = setup(D, causal, device, dtype, shape, softcap, window)
         for kernel, specs in CANDIDATES.items():
             shipped_ms = reference = None
             for spec in [None, *specs]:
@@ -187,7 +198,7 @@ def main(argv=None) -> int:
                     shipped_ms, reference = ms, result.float().clone()
                 err = (result.float() - reference).abs().max().item()
                 b, h, t = shape
-                flops = FLOPS[kernel] * b * h * t * t * D * (0.5 if causal else 1.0)
+                flops = FLOPS[kernel] * b * h * visible_pairs(t, causal, window) * D
                 row = dict(case=case, kernel=kernel, tiles=spec or "shipped",
                            ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
                            speedup=round(shipped_ms / ms, 3), max_diff=f"{err:.3g}")  # fmt: skip

@@ -188,11 +188,18 @@ def test_config_is_a_pure_function():
     )
     assert K.attention_config(128, 128, False, ieee_fp32=True).fwd == cpu
     # Hopper, 2-byte dtypes, head dims 64-128: the tiles tune_triton_attention.py measured
-    wide, dkdv128 = K.Tiles(128, 64, 8, 3), K.Tiles(64, 128, 8, 3)
+    # (dk/dv with merged boundary loops, but not for ALiBi or varlen at D=128: see there)
+    wide, dkdv128 = K.Tiles(128, 64, 8, 3), K.Tiles(64, 128, 8, 3, merge=True)
     hopper128 = K.attention_config(128, 128, True, arch=90)
     assert (hopper128.fwd, hopper128.dq, hopper128.dkdv) == (wide, gpu, dkdv128)
     hopper64 = K.attention_config(64, 64, True, arch=90)
-    assert (hopper64.fwd, hopper64.dq, hopper64.dkdv) == (wide, wide, gpu)
+    assert (hopper64.fwd, hopper64.dq, hopper64.dkdv) == (
+        wide,
+        wide,
+        K.Tiles(64, 64, 4, 2, merge=True),
+    )
+    assert K.attention_config(128, 128, True, arch=90, alibi_or_varlen=True).dkdv.merge is False
+    assert K.attention_config(64, 64, True, arch=90, alibi_or_varlen=True).dkdv.merge is True
     assert K.attention_config(128, 128, True, elem_bytes=4, arch=90).fwd == gpu  # smem: fp32
     assert K.attention_config(128, 128, True, arch=86).fwd == gpu  # 99 KB of shared memory
     assert K.attention_config(128, 128, True, arch=120).fwd == gpu  # 99 KB too

@@ -24,7 +24,7 @@ query blocks longest first.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 import triton.language as tl
@@ -42,7 +42,8 @@ class Tiles:
     merge: run both boundary ranges of query tiles in one loop (dK/dV only): on sm_90, Triton
     3.6 waits on every wgmma when the kernel has three loops (causal, windows, ALiBi: 24
     warpgroup arrive/wait pairs per iteration against 4), but the merged loop spills in some
-    variants (benchmarks/results/sm90-static/): off until a GPU times it."""
+    variants (benchmarks/results/sm90-static/); attention_config turns it on where the H100
+    timed it faster."""
 
     block_m: int
     block_n: int
@@ -71,7 +72,13 @@ HOPPER_SMEM_ARCHS = frozenset({90, 100, 103})
 
 @functools.lru_cache(maxsize=256)
 def attention_config(
-    D: int, Dv: int, on_gpu: bool, ieee_fp32: bool = False, elem_bytes: int = 2, arch: int = 0
+    D: int,
+    Dv: int,
+    on_gpu: bool,
+    ieee_fp32: bool = False,
+    elem_bytes: int = 2,
+    arch: int = 0,
+    alibi_or_varlen: bool = False,
 ) -> AttentionConfig:
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
     fast and cross several blocks. elem_bytes: q's element size; arch: the GPU's compute
@@ -83,6 +90,10 @@ def attention_config(
       (1.06-1.11x; at D=128 64x64 stays: 128x64 ran 0.97x); dk/dv 64(q)x128(k) / 8 warps /
       3 stages at D=128 (1.04-1.08x; at D=64 it ran 0.94x). Their shared memory (up to 160 KB)
       needs Hopper's 227 KB, which sm_80's 164 KB holds only in part and sm_86/89's 99 KB not.
+      dk/dv merges its boundary loops (Tiles.merge; second H100 run, same file): causal
+      1.14x at D=128 and 1.20x at D=64, unmasked 0.996x and 1.007x. At D=128 the sm_90 screen
+      showed ALiBi's and varlen's merged loops spilling 2-3x the causal one's bytes (276 and
+      396 B against 140); untimed, they keep three loops (alibi_or_varlen).
     - Otherwise 64x64, 4 warps, 2 stages (32-wide key tiles past D=128 to stay in registers).
     - ieee_fp32 (fp32 inputs with TF32 off: the dots run on FMA units, operands in registers):
       32x16 tiles; at 64x64 the D=128 kernels spilled 55-135 KB per thread on sm_90 (Triton
@@ -107,11 +118,11 @@ def attention_config(
     if arch not in HOPPER_SMEM_ARCHS or elem_bytes != 2 or not 64 <= widest <= 128:
         return AttentionConfig(bd, bdv, gpu, gpu, gpu)
     wide = Tiles(128, 64, 8, 3)
-    return AttentionConfig(
-        bd, bdv, fwd=wide,
-        dkdv=Tiles(64, 128, 8, 3) if widest == 128 else gpu,
-        dq=wide if widest <= 64 else gpu,
-    )  # fmt: skip
+    if widest == 128:
+        dkdv = Tiles(64, 128, 8, 3, merge=not alibi_or_varlen)
+    else:
+        dkdv = replace(gpu, merge=True)
+    return AttentionConfig(bd, bdv, fwd=wide, dkdv=dkdv, dq=wide if widest <= 64 else gpu)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

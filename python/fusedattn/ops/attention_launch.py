@@ -146,6 +146,7 @@ class TritonAttentionLaunch:
         self.cfg = config or self.K.attention_config(
             self.D, self.Dv, q.is_cuda, ieee_fp32=flags["PRECISION"] == "ieee",
             elem_bytes=q.element_size(), arch=device_arch(q.device),
+            alibi_or_varlen=alibi_slopes is not None or self.varlen,
         )  # fmt: skip
 
     def tiles(self, kernel: str) -> dict:
