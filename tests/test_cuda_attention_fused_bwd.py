@@ -139,14 +139,26 @@ def test_fused_backward_dead_rows_and_batches_give_zero_gradients(monkeypatch):
 
 
 @gpu
-def test_fused_backward_is_not_the_default_yet_and_not_for_what_it_lacks():
-    """auto runs the two kernels until the fused one is timed (attention_launch.cuh:
-    kFusedBackwardByDefault); fused never takes an attn_mask, dropout, head dim 256, or a call
+def test_auto_takes_the_fused_backward_where_it_won_and_never_for_what_it_lacks():
+    """auto runs the fused backward where it was faster on the H100 (attention_launch.cuh:
+    fused_backward_by_default): not causal, or causal with key padding at head dim <= 64; the
+    two kernels for the rest. Fused never takes an attn_mask, dropout, head dim 256, or a call
     too small to fill the GPU."""
+    auto = flash_attention.CUDA_BACKWARD_KERNELS["auto"]
     q, k, v, _ = case_inputs(CASES[0])
     assert dq_splits(q, k, v) == 1
-    assert dq_splits(q, k, v, backward_kernel=flash_attention.CUDA_BACKWARD_KERNELS["auto"]) == 0
+    assert dq_splits(q, k, v, backward_kernel=auto) == 1  # not causal
+    assert dq_splits(q, k, v, backward_kernel=auto, is_causal=True) == 0
     assert dq_splits(q, k, v, backward_kernel=flash_attention.CUDA_BACKWARD_KERNELS["split"]) == 0
+    q, k, v, kw = case_inputs(CASES[4])  # causal, key padding, head dim 40 (pads to 64)
+    assert dq_splits(q, k, v, backward_kernel=auto, is_causal=True) == 0
+    assert dq_splits(q, k, v, backward_kernel=auto, is_causal=True,
+                     key_padding_mask=kw["key_padding_mask"]) == 2  # fmt: skip
+    q, k, v, kw = case_inputs(CASES[1])  # head dim 128, causal: with key padding too
+    kpm = torch.zeros(q.shape[0], k.shape[2], dtype=torch.bool, device="cuda")
+    kpm[:, -5:] = True
+    assert dq_splits(q, k, v, backward_kernel=auto, is_causal=True, key_padding_mask=kpm) == 0
+    q, k, v, _ = case_inputs(CASES[0])
     keep = torch.ones(1, 1, 1, 1, dtype=torch.bool, device="cuda")
     assert dq_splits(q, k, v, attn_mask=keep.expand(*q.shape[:3], k.shape[2])) == 0
     assert dq_splits(q, k, v, dropout_p=0.1) == 0

@@ -85,10 +85,15 @@ struct Policy<256, kGeneral> {
   using BackwardFused = void;
 };
 
-// Whether BackwardKernel::kAuto runs the fused backward where it applies. Off until a GPU has
-// run its tests and timed it against the two kernels (issue #13): it has only been compiled and
-// screened (sm_90a: see the numbers at run_attention_backward).
-constexpr bool kFusedBackwardByDefault = false;
+// Whether BackwardKernel::kAuto runs the fused backward where it applies. Timed against the
+// two kernels on the H100 (benchmarks/results/h100/tune_cuda_backward.csv: bf16, T=1024 and
+// 4096, head dims 64 and 128): without causal masking fused won 7 of 8 cases (head dim 64 by
+// 6-25 %, 128 by up to 7 % with key padding; 1 % slower at 128 T=4096 unpadded), and at head
+// dim 64 causal with key padding by 10 %. Causal otherwise the two kernels won (128: 4-9 %,
+// 64: 1-2 %): the fused kernel's query tiles above the diagonal start each key block's pass.
+inline bool fused_backward_by_default(const AttentionParams& p) {
+  return !p.is_causal || (p.key_padding != nullptr && p.head_dim <= 64);
+}
 // At most this many fp32 dQ accumulators (each B * H * Tq * head_dim * 4 bytes); a call that
 // would need more to fill the GPU runs the two-kernel backward.
 constexpr int kMaxDqSplits = 4;
@@ -268,7 +273,7 @@ int fused_backward_dq_splits(const AttentionParams& p) {
     using F = typename Pol::BackwardFused;
     const auto kind = static_cast<BackwardKernel>(p.backward_kernel);
     const bool wanted = kind == BackwardKernel::kFused ||
-                        (kind == BackwardKernel::kAuto && attn::kFusedBackwardByDefault);
+                        (kind == BackwardKernel::kAuto && attn::fused_backward_by_default(p));
     if (!wanted || attn::needs_general_variant(p) || p.dscores != nullptr) return 0;
     if (p.seqlen_q == 0 || p.seqlen_k == 0) return 0;
     // Resident blocks of this kernel on the whole device (0: its shared memory does not fit,
