@@ -226,9 +226,10 @@ def llama_config(**kw):
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=kernels)])
-def test_hf_llama_rmsnorm_swaps_and_logits_match_within_the_model_rule(backend):
+def test_hf_llama_rmsnorm_swaps_and_logits_match_within_the_model_rule(backend, device):
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(llama_config()).eval()
+    # on the GPU when there is one: there the Triton backend refuses CPU tensors (H100 run)
+    model = transformers.LlamaForCausalLM(llama_config()).eval().to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -239,7 +240,7 @@ def test_hf_llama_rmsnorm_swaps_and_logits_match_within_the_model_rule(backend):
     assert len(norms) == 2 * 2 + 1  # two per layer and the final norm
     assert all(m.eps == 1e-6 and m.weight_after_rounding for m in norms)
     assert swapped.state_dict().keys() == model.state_dict().keys()
-    ids = torch.randint(0, 100, (2, 9))
+    ids = torch.randint(0, 100, (2, 9), device=device)
     with count_dispatches() as counts:
         got = swapped(input_ids=ids).logits
     assert counts[("rms_norm", backend)] == 5
