@@ -31,8 +31,9 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # block and dK/dV by key block; "fused" one pass per key block with per-split fp32 dQ partials,
 # where it applies (no attn_mask or dropout, padded head dim 64 or 128, the shared memory, and
 # enough (batch, kv head) pairs to fill the GPU with at most 4 splits), else "split". Both are
-# deterministic. "auto" is the launch policy's choice: "split" until the fused kernel is timed
-# on a GPU (issue #13). Read at every backward, so benchmarks and tests can switch it.
+# deterministic. "auto" is the launch policy's choice (attention_launch.cuh:
+# fused_backward_by_default, from the H100 timings). Read at every backward, so benchmarks and
+# tests can switch it.
 CUDA_BACKWARD_ENV = "FUSEDATTN_CUDA_BACKWARD"
 CUDA_BACKWARD_KERNELS = {"auto": 0, "split": 1, "fused": 2}
 
