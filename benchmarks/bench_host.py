@@ -13,6 +13,11 @@ launcher) runs and is timed. Without either, the kernel launches themselves are 
 
 Run it from two checkouts (PYTHONPATH) on the same machine to compare host cost before and
 after a change; the CSV's host_us column holds the median of 7 repeats of 200 calls.
+
+`--check-launches` (with `--sm90-tool`) first checks the launch cache (ops/triton_launch.py):
+for attention variants, the norms and softmax, forward and backward, every launch through the
+cache must hand Triton's launcher the same compiled kernel, grid and arguments as Triton's own
+path; it exits 1 on a difference.
 """
 
 from __future__ import annotations
@@ -44,6 +49,84 @@ def stub_driver_launch(tool_path: str) -> None:
         self.module, self._run = "stub", lambda *args, **kwargs: None
 
     compiler.CompiledKernel._init_handles = no_handles
+
+
+def _same_launch_arg(a, b) -> bool:
+    """Equal as the launcher reads them: tensors by dtype, shape and strides (each call makes
+    new outputs), launch metadata by content, everything else by value and type."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride()
+        )  # fmt: skip
+    if type(a) is not type(b):
+        return False
+    if type(a).__name__ == "LazyDict":  # triton's launch metadata: a new one per launch
+        return a.data == b.data and len(a.extras) == len(b.extras)
+    return a is b or a == b
+
+
+def _launch_cases(fusedattn, dtype) -> dict:
+    """{name: call} covering every Triton kernel: attention plain and causal with ragged key
+    padding, the norms on rows long enough for the looped backward, softmax."""
+    T, N = 80, 40000
+    q, k, v = (torch.randn(2, 3, T, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+    kpm = torch.zeros(2, T, dtype=torch.bool)
+    kpm[1, 70:] = True
+    x = torch.randn(6, N, dtype=dtype, requires_grad=True)
+    w, b = (torch.randn(N, dtype=dtype, requires_grad=True) for _ in range(2))
+    return {
+        "attention": lambda: fusedattn.attention(q, k, v, backend="triton"),
+        "attention causal+kpm": lambda: fusedattn.attention(
+            q, k, v, is_causal=True, key_padding_mask=kpm, backend="triton"
+        ),
+        "layer_norm": lambda: fusedattn.layer_norm(x, (N,), w, b, backend="triton"),
+        "rms_norm": lambda: fusedattn.rms_norm(x, (N,), w, backend="triton"),
+        "softmax": lambda: fusedattn.softmax(x, -1, backend="triton"),
+    }
+
+
+def check_launches(fusedattn) -> list[str]:
+    """With the sm_90 stub installed: the differences between what Triton's launcher receives
+    through the launch cache and through Triton's own path, per case ([] = none)."""
+    from triton.compiler import compiler
+
+    from fusedattn.ops import triton_launch
+
+    received = []
+
+    def recording_handles(self):
+        self.module, self._run = "stub", lambda *args: received.append((self, args))
+
+    no_op = compiler.CompiledKernel._init_handles
+    compiler.CompiledKernel._init_handles = recording_handles
+    problems = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        cases = _launch_cases(fusedattn, dtype)
+        for name, call in cases.items():
+
+            def launches(call=call):
+                received.clear()
+                out = call()
+                out.backward(torch.ones_like(out))
+                return list(received)
+
+            triton_launch.ENABLED, triton_launch._launches = False, {}
+            reference = launches()
+            triton_launch.ENABLED, triton_launch._launches = True, {}
+            launches()  # fills the cache
+            cached = launches()
+            keys = sum(len(e.compiled) for e in triton_launch._launches.values())
+            same = len(cached) == len(reference) and all(
+                c is r and len(a) == len(b) and all(map(_same_launch_arg, a, b))
+                for (c, a), (r, b) in zip(cached, reference, strict=True)
+            )
+            print(f"  launch check {name:<22} {str(dtype)[6:]:<9} {len(cached)} launches, "
+                  f"{keys} cached: {'same arguments' if same else 'DIFFERENT'}")  # fmt: skip
+            if not same or keys != len(cached):
+                problems.append(f"{name} {dtype}")
+    compiler.CompiledKernel._init_handles = no_op
+    return problems
 
 
 def host_us(fn, repeats=7, calls=200, sync=lambda: None) -> tuple[float, float]:
@@ -145,7 +228,25 @@ def main(argv=None) -> int:
     parser.add_argument("--sm90-tool", help="sm90_static.py: compile for sm_90, stub the launch")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--label", default="", help="appended to the impl column (a checkout)")
+    parser.add_argument(
+        "--check-launches", action="store_true",
+        help="with --sm90-tool: check the launch cache hands Triton's launcher the arguments "
+        "Triton's own path would (exit 1 if not), then time",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.check_launches:
+        if not args.sm90_tool:
+            parser.error("--check-launches needs --sm90-tool")
+        stub_driver_launch(args.sm90_tool)
+        import fusedattn.ops.backends as backends
+
+        backends.triton_interpreter_enabled = lambda: True
+        import fusedattn
+
+        problems = check_launches(fusedattn)
+        if problems:
+            print("launch cache differs from Triton's path: " + ", ".join(problems))
+            return 1
     rows = run(args)
     if args.out:
         path = args.out / "host.csv"

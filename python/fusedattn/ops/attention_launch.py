@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from . import triton_launch
 from .rowwise import kernels
 
 
@@ -168,7 +169,7 @@ class TritonAttentionLaunch:
     @staticmethod
     def launch(kernel, grid, args, constexprs):
         if grid[0]:
-            kernel[grid](*args, **constexprs)
+            triton_launch.launch(kernel, grid, args, constexprs)
 
     def fwd_args(self, q, k, v, out, lse):
         strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))

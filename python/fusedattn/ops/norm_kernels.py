@@ -10,6 +10,7 @@ serves both backends (`backend` is "triton" or "cuda").
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import triton_launch
 from .rowwise import (
     dense_params,
     extension,
@@ -44,10 +45,14 @@ def _forward(x, n, weight, bias, eps, rms, backend):
     if M:
         cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
         kernel = K.layer_norm_fwd_one_pass if cfg.one_pass else K.layer_norm_fwd_looped
-        kernel[(M,)](
-            rows, y, weight, bias, mean, rstd, rows.stride(0), y.stride(0), n, eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, RMS=rms,
-            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        triton_launch.launch(
+            kernel,
+            (M,),
+            (rows, y, weight, bias, mean, rstd, rows.stride(0), y.stride(0), n, eps),
+            dict(
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, RMS=rms,
+                BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            ),
         )  # fmt: skip
     return y.view(x.shape), mean, rstd
 
@@ -78,24 +83,40 @@ def _backward(dy, x, weight, mean, rstd, n, param_grads, rms, backend):
         limit = min(K.MAX_ONE_PASS_N, K.MAX_ONE_PASS_BWD_N)  # longer rows would spill
         cfg = K.layer_norm_config(n, max_one_pass_n=limit)
         if cfg.one_pass:
-            K.layer_norm_bwd_one_pass[(programs,)](
-                rows, drows, dx, weight, mean, rstd, dw_partial, db_partial,
-                rows.stride(0), drows.stride(0), dx.stride(0), M, n, per_program,
-                HAS_WEIGHT=weight is not None, PARAM_GRADS=param_grads, RMS=rms,
-                BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            triton_launch.launch(
+                K.layer_norm_bwd_one_pass,
+                (programs,),
+                (
+                    rows, drows, dx, weight, mean, rstd, dw_partial, db_partial, rows.stride(0),
+                    drows.stride(0), dx.stride(0), M, n, per_program,
+                ),
+                dict(
+                    HAS_WEIGHT=weight is not None, PARAM_GRADS=param_grads, RMS=rms,
+                    BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                ),
             )  # fmt: skip
         else:
-            K.layer_norm_bwd_dx_looped[(M,)](
-                rows, drows, dx, weight, mean, rstd,
-                rows.stride(0), drows.stride(0), dx.stride(0), n,
-                HAS_WEIGHT=weight is not None, RMS=rms, BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps,
+            triton_launch.launch(
+                K.layer_norm_bwd_dx_looped,
+                (M,),
+                (
+                    rows, drows, dx, weight, mean, rstd, rows.stride(0), drows.stride(0),
+                    dx.stride(0), n,
+                ),
+                dict(
+                    HAS_WEIGHT=weight is not None, RMS=rms, BLOCK_N=cfg.block_n,
+                    num_warps=cfg.num_warps,
+                ),
             )  # fmt: skip
             if param_grads:
-                K.layer_norm_bwd_params_looped[(programs, -(-n // cfg.block_n))](
-                    rows, drows, mean, rstd, dw_partial, db_partial,
-                    rows.stride(0), drows.stride(0), M, n, per_program,
-                    RMS=rms, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                triton_launch.launch(
+                    K.layer_norm_bwd_params_looped,
+                    (programs, -(-n // cfg.block_n)),
+                    (
+                        rows, drows, mean, rstd, dw_partial, db_partial, rows.stride(0),
+                        drows.stride(0), M, n, per_program,
+                    ),
+                    dict(RMS=rms, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps),
                 )  # fmt: skip
     if param_grads:
         sums = partials.sum(1)

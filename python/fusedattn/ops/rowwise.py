@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import backends
+from . import backends, triton_launch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -146,11 +146,18 @@ def _softmax_forward(x, dim, mask, scale, is_causal, backend):
     if x.numel():
         cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
         kernel = K.softmax_fwd_one_pass if cfg.one_pass else K.softmax_fwd_looped
-        kernel[(A * B * C,)](
-            x4, y4, m4, *_strides(x4), *_strides(y4), *(_strides(m4) if m4 is not None else (0,) * 4),
-            B, C, N, scale,
-            HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-            IS_CAUSAL=is_causal, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        triton_launch.launch(
+            kernel,
+            (A * B * C,),
+            (
+                x4, y4, m4, *_strides(x4), *_strides(y4),
+                *(_strides(m4) if m4 is not None else (0,) * 4), B, C, N, scale,
+            ),
+            dict(
+                HAS_MASK=mask is not None,
+                MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool, IS_CAUSAL=is_causal,
+                BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            ),
         )  # fmt: skip
     return y
 
@@ -179,9 +186,11 @@ def _softmax_backward_kernel(y, dy, dim, scale, backend):
     if y.numel():
         cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
         kernel = K.softmax_bwd_one_pass if cfg.one_pass else K.softmax_bwd_looped
-        kernel[(A * B * C,)](
-            y4, dy4, dx4, *_strides(y4), *_strides(dy4), *_strides(dx4), B, C, N, scale,
-            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        triton_launch.launch(
+            kernel,
+            (A * B * C,),
+            (y4, dy4, dx4, *_strides(y4), *_strides(dy4), *_strides(dx4), B, C, N, scale),
+            dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps),
         )  # fmt: skip
     return dx
 

@@ -1,0 +1,167 @@
+"""Launch a Triton kernel without paying Triton's per-call specialisation twice.
+
+`kernel[grid](*args, **constexprs)` binds ~50 arguments, specialises each one in C++, builds a
+string cache key and looks the compiled kernel up: 22-24 µs of host time per attention launch
+on the 2-core CPU machine (Triton 3.6, sm_90 compiled, only the driver call stubbed), 13 µs of
+it the binder. An attention forward+backward launches three kernels, so that was ~70 µs of
+the ~235 µs the public API spent per call (`benchmarks/bench_host.py`).
+
+`launch` remembers the compiled kernel under a key that determines Triton's specialisation
+exactly, or more finely: every argument's Python type, the exact values of the scalar
+arguments (ints, floats, bools: Triton looks at an int's value for ==1, %16 and its integer
+width, and at nothing else of a float), the dtype and 16-byte alignment of each tensor (all
+Triton reads of a tensor when it specialises), the constexprs and launch options, the current
+device and Triton's debug and instrumentation settings. Two calls with equal keys would have
+picked the same compiled kernel through Triton's own path, so the second one calls it directly
+(`CompiledKernel[grid](*all parameters)`, the runner Triton's own launch ends in): ~8 µs.
+Anything this cannot key (a kernel under the interpreter, pre-run hooks, globals the kernel
+reads, a stage-inspection hook, arguments that are not tensors-then-scalars) takes Triton's
+path every time. FUSEDATTN_TRITON_LAUNCH_CACHE=0 (read at import) turns the shortcut off.
+
+The arguments must be the tensor-like ones first (tensors, None, tensor descriptors), then
+scalars: every launcher in fusedattn builds them that way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENABLED = os.environ.get("FUSEDATTN_TRITON_LAUNCH_CACHE", "1") != "0"
+MAX_KEYS_PER_KERNEL = 256  # distinct shapes/strides per kernel before the cache starts over
+
+_SCALAR_TYPES = (int, float, bool)
+
+
+class _KernelLaunches:
+    """Per JIT kernel: how many leading arguments are tensor-like (fixed at its first launch;
+    a later launch laid out otherwise is never cached), its parameters in signature order, and
+    the compiled kernel with the values of the parameters after the positional ones, per key."""
+
+    __slots__ = ("compiled", "kernel", "params", "tensors")
+
+    def __init__(self, kernel, args, cacheable: bool):
+        self.kernel = kernel  # held: the id keying _launches stays this kernel's
+        self.tensors = tensor_prefix(args) if cacheable else -1
+        self.params = (
+            [(p.name, p.default, p.has_default) for p in kernel.params] if cacheable else []
+        )
+        self.compiled: dict = {}
+
+
+# id(kernel) -> _KernelLaunches (an id: a JITFunction hashes its source's sha256 string through
+# a property, 0.35 µs a lookup)
+_launches: dict = {}
+_triton = None  # (JITFunction, CompiledKernel, knobs, driver), imported on the first launch
+_NEVER = object()  # the key of an argument that cannot be keyed: it never matches
+
+
+def _triton_parts():
+    global _triton
+    if _triton is None:
+        from triton import knobs
+        from triton.compiler.compiler import CompiledKernel
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+
+        _triton = (JITFunction, CompiledKernel, knobs, driver)
+    return _triton
+
+
+def _new_entry(kernel, args):
+    """A kernel's entry; one that is never cached (tensors -1) when the cache is off or the
+    kernel is not a compiled JITFunction (the interpreter's, for one)."""
+    JITFunction = _triton_parts()[0]
+    return _KernelLaunches(kernel, args, ENABLED and isinstance(kernel, JITFunction))
+
+
+def tensor_prefix(args) -> int:
+    """How many leading arguments are tensor-like (tensor, None, tensor descriptor) when all
+    the rest are Python ints/floats/bools; -1 when the arguments are not laid out that way."""
+    n = 0
+    while n < len(args) and (args[n] is None or _is_tensor_like(args[n])):
+        n += 1
+    if not all(type(a) in _SCALAR_TYPES for a in args[n:]):
+        return -1
+    return n
+
+
+def _is_tensor_like(a) -> bool:
+    return isinstance(a, torch.Tensor) or (hasattr(a, "block_shape") and hasattr(a, "base"))
+
+
+def _descriptor_key(a):
+    """What Triton specialises a tensor descriptor on (or more): the launcher expands it into
+    the base pointer, shape and strides. Anything else in a tensor slot never matches."""
+    if not _is_tensor_like(a):
+        return _NEVER
+    base = a.base
+    return (
+        base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+        tuple(a.block_shape), getattr(a, "padding", None),
+    )  # fmt: skip
+
+
+def launch_key(entry, args, constexprs, device, knobs):
+    """The cache key of one launch: equal keys, equal Triton specialisation."""
+    n = entry.tensors
+    scalars = args[n:]
+    return (
+        device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        tuple(constexprs.items()), tuple(map(type, scalars)), scalars,
+        tuple([
+            None if a is None
+            else (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+            else _descriptor_key(a)
+            for a in args[:n]
+        ]),
+    )  # fmt: skip
+
+
+def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
+    """kernel[grid](*args, **constexprs), through the compiled kernel when an earlier launch
+    with the same key found it."""
+    entry = _launches.get(id(kernel))
+    if entry is None or entry.kernel is not kernel:
+        entry = _launches[id(kernel)] = _new_entry(kernel, args)
+    if entry.tensors < 0:
+        kernel[grid](*args, **constexprs)
+        return
+    _, CompiledKernel, knobs, driver = _triton
+    key = None
+    if not (
+        kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
+    ):
+        key = launch_key(entry, args, constexprs, driver.active.get_current_device(), knobs)
+        hit = entry.compiled.get(key)
+        if hit is not None:
+            compiled, tail = hit
+            size = len(grid)
+            full_grid = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
+            compiled[full_grid](*args, *tail)
+            return
+    compiled = kernel[grid](*args, **constexprs)
+    if key is None or type(compiled) is not CompiledKernel:  # e.g. a future when compiling async
+        return
+    tail = _tail(entry, len(args), constexprs)
+    if tail is not None and tensor_prefix(args) == entry.tensors:
+        if len(entry.compiled) >= MAX_KEYS_PER_KERNEL:
+            entry.compiled.clear()
+        entry.compiled[key] = (compiled, tail)
+
+
+def _tail(entry, positional: int, constexprs: dict):
+    """The values of the parameters after the positional ones, in signature order, as Triton's
+    binder fills them (keyword, else default); None if one has neither."""
+    tail = []
+    for name, default, has_default in entry.params[positional:]:
+        if name in constexprs:
+            tail.append(constexprs[name])
+        elif has_default:
+            tail.append(default)
+        else:
+            return None
+    return tuple(tail)

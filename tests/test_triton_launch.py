@@ -1,0 +1,224 @@
+"""The Triton launch cache (ops/triton_launch.py): a launch takes the compiled kernel directly
+only when Triton's own path would have picked the same one, and hands it the same arguments.
+
+Triton's JIT objects are replaced by fakes that record which path ran (no GPU, no compiler);
+the real path was compared argument by argument on the CPU machine with the kernels compiled
+for sm_90 (`benchmarks/bench_host.py --sm90-tool ... --check-launches`). The last test runs
+fusedattn's own launchers under the interpreter and checks their argument layout is one the
+cache can key.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from fusedattn.ops import triton_launch
+
+
+class FakeParam:
+    def __init__(self, param: inspect.Parameter):
+        self.name = param.name
+        self.default = param.default
+        self.has_default = param.default is not inspect.Parameter.empty
+
+
+class FakeCompiled:
+    """Stands for triton's CompiledKernel: `[grid](*every parameter)` is its runner."""
+
+    def __init__(self, log, number):
+        self.log, self.number = log, number
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", self.number, grid, args))
+
+
+class FakeJIT:
+    """Stands for a JITFunction of `def kernel(x, y, n, scale, BLOCK, FLAG=True)`."""
+
+    def __init__(self):
+        def kernel(x, y, n, scale, BLOCK, FLAG=True):
+            pass
+
+        self.params = [FakeParam(p) for p in inspect.signature(kernel).parameters.values()]
+        self.pre_run_hooks, self.used_global_vals, self.log = [], {}, []
+        self.compiles = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **constexprs):
+            self.compiles += 1
+            self.log.append(("triton", grid, args, constexprs))
+            return FakeCompiled(self.log, self.compiles)
+
+        return run
+
+
+class FakeKnobs:
+    class runtime:
+        debug = False
+
+    class compilation:
+        instrumentation_mode = ""
+
+
+class FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_device():
+            return 0
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    monkeypatch.setattr(triton_launch, "ENABLED", True)
+    monkeypatch.setattr(triton_launch, "_launches", {})
+    monkeypatch.setattr(triton_launch, "_triton", (FakeJIT, FakeCompiled, FakeKnobs, FakeDriver))
+    return FakeJIT()
+
+
+def _aligned(n=64, dtype=torch.float16, offset=0):
+    return torch.zeros(n + 8, dtype=dtype)[offset : offset + n]
+
+
+def _paths(kernel):
+    return [entry[0] for entry in kernel.log]
+
+
+def test_a_repeated_launch_calls_the_compiled_kernel_with_every_parameter(fake_triton):
+    x, y = _aligned(), _aligned()
+    for _ in range(3):
+        triton_launch.launch(fake_triton, (4,), (x, y, 64, 0.5), dict(BLOCK=32, num_warps=4))
+    assert _paths(fake_triton) == ["triton", "fast", "fast"]
+    _, number, grid, args = fake_triton.log[-1]
+    assert number == 1 and grid == (4, 1, 1)
+    # the positional arguments, then BLOCK from the keywords and FLAG's default, in order
+    assert args[:4] == (x, y, 64, 0.5) and args[4:] == (32, True)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "misaligned tensor", "other dtype", "None for a tensor", "other int", "int for float",
+        "bool for int", "other constexpr", "other launch option", "debug knob",
+    ],
+)  # fmt: skip
+def test_anything_triton_specialises_on_misses_the_cache(fake_triton, monkeypatch, change):
+    x, y = _aligned(), _aligned()
+    args, constexprs = (x, y, 64, 0.5), dict(BLOCK=32, num_warps=4)
+    triton_launch.launch(fake_triton, (1,), args, constexprs)
+    if change == "misaligned tensor":
+        args = (_aligned(offset=1), y, 64, 0.5)  # 2 bytes past a 16-byte boundary
+    elif change == "other dtype":
+        args = (_aligned(dtype=torch.bfloat16), y, 64, 0.5)
+    elif change == "None for a tensor":
+        args = (x, None, 64, 0.5)
+    elif change == "other int":
+        args = (x, y, 65, 0.5)
+    elif change == "int for float":
+        args = (x, y, 64, 1)
+        triton_launch.launch(fake_triton, (1,), (x, y, 64, 1.0), constexprs)  # 1 == 1.0
+    elif change == "bool for int":
+        args = (x, y, True, 0.5)
+        triton_launch.launch(fake_triton, (1,), (x, y, 1, 0.5), constexprs)  # True == 1
+    elif change == "other constexpr":
+        constexprs = dict(BLOCK=64, num_warps=4)
+    elif change == "other launch option":
+        constexprs = dict(BLOCK=32, num_warps=8)
+    elif change == "debug knob":
+        monkeypatch.setattr(FakeKnobs.runtime, "debug", True)
+    triton_launch.launch(fake_triton, (1,), args, constexprs)
+    assert _paths(fake_triton)[-1] == "triton"
+    triton_launch.launch(fake_triton, (1,), args, constexprs)  # and is cached in turn
+    assert _paths(fake_triton)[-1] == "fast"
+
+
+def test_other_values_that_specialise_alike_still_hit(fake_triton):
+    """A float's value and a tensor's data do not change Triton's choice."""
+    triton_launch.launch(fake_triton, (1,), (_aligned(), _aligned(), 64, 0.5), dict(BLOCK=32))
+    triton_launch.launch(fake_triton, (1,), (_aligned(), _aligned(), 64, 0.5), dict(BLOCK=32))
+    assert _paths(fake_triton) == ["triton", "fast"]
+
+
+@pytest.mark.parametrize("state", ["pre-run hook", "global values", "disabled"])
+def test_what_the_cache_cannot_see_takes_tritons_path_every_time(fake_triton, monkeypatch, state):
+    if state == "pre-run hook":
+        fake_triton.pre_run_hooks.append(lambda *a, **k: None)
+    elif state == "global values":
+        fake_triton.used_global_vals[("G", 0)] = (1, {"G": 1})
+    else:
+        monkeypatch.setattr(triton_launch, "ENABLED", False)
+    for _ in range(3):
+        triton_launch.launch(fake_triton, (1,), (_aligned(), None, 8, 1.0), dict(BLOCK=16))
+    assert _paths(fake_triton) == ["triton"] * 3
+
+
+def test_arguments_not_laid_out_tensors_then_scalars_are_never_cached(fake_triton):
+    args = (_aligned(), 8, _aligned(), 1.0)  # a tensor after a scalar
+    for _ in range(2):
+        triton_launch.launch(fake_triton, (1,), args, dict(BLOCK=16))
+    assert _paths(fake_triton) == ["triton"] * 2
+    assert triton_launch.tensor_prefix(args) == -1
+    assert triton_launch.tensor_prefix((None, _aligned(), 3, 2.0, False)) == 2
+
+
+class AsyncJIT(FakeJIT):
+    """Returns something other than a compiled kernel (Triton's async compile mode returns a
+    future)."""
+
+    def __getitem__(self, grid):
+        run = super().__getitem__(grid)
+        return lambda *args, **constexprs: (run(*args, **constexprs), object())[1]
+
+
+def test_a_kernel_that_returns_no_compiled_kernel_is_not_cached(fake_triton):
+    kernel = AsyncJIT()
+    for _ in range(2):
+        triton_launch.launch(kernel, (1,), (_aligned(), None, 8, 1.0), dict(BLOCK=16))
+    assert _paths(kernel) == ["triton"] * 2
+
+
+def test_the_cache_starts_over_past_its_bound(fake_triton, monkeypatch):
+    monkeypatch.setattr(triton_launch, "MAX_KEYS_PER_KERNEL", 3)
+    x = _aligned()
+    for n in range(5):
+        triton_launch.launch(fake_triton, (1,), (x, None, n, 1.0), dict(BLOCK=16))
+    (entry,) = triton_launch._launches.values()
+    assert len(entry.compiled) == 2  # cleared at the 4th new key, then two more
+    triton_launch.launch(fake_triton, (1,), (x, None, 4, 1.0), dict(BLOCK=16))
+    assert _paths(fake_triton)[-1] == "fast"
+
+
+@pytest.mark.kernels
+def test_fusedattns_launchers_pass_tensors_then_scalars(monkeypatch):
+    """Every Triton launch in fusedattn has the layout the cache keys (else it would silently
+    take Triton's slower path on a GPU)."""
+    import fusedattn
+
+    seen = []
+
+    def record(kernel, grid, args, constexprs):
+        seen.append((getattr(kernel, "__name__", repr(kernel)), triton_launch.tensor_prefix(args)))
+        return real(kernel, grid, args, constexprs)
+
+    real = triton_launch.launch
+    monkeypatch.setattr(triton_launch, "launch", record)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    kpm = torch.zeros(1, 16, dtype=torch.bool)
+    kpm[0, 12:] = True
+    out = fusedattn.attention(q, k, v, key_padding_mask=kpm, is_causal=True, backend="triton")
+    out.sum().backward()
+    from fusedattn.ops.rowwise import kernels
+
+    x = torch.randn(5, 40, requires_grad=True)
+    w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
+    for one_pass_limit in (None, 16):  # one-pass kernels, then the looped ones (rows > 16)
+        if one_pass_limit:
+            for name in ("layernorm", "softmax"):
+                monkeypatch.setattr(kernels(name), "MAX_ONE_PASS_N", one_pass_limit)
+            monkeypatch.setattr(kernels("layernorm"), "MAX_ONE_PASS_BWD_N", one_pass_limit)
+        fusedattn.layer_norm(x, (40,), w, b, backend="triton").sum().backward()
+        fusedattn.rms_norm(x, (40,), w, backend="triton").sum().backward()
+        fusedattn.softmax(x, -1, backend="triton").pow(2).sum().backward()
+    names = {name for name, _ in seen}
+    assert len(names) == 3 + 5 + 4, sorted(names)  # attention, LayerNorm and softmax kernels
+    assert all(n > 0 for _, n in seen), seen
