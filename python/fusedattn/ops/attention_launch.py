@@ -94,12 +94,6 @@ def descriptor(t: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, cols])
 
 
-def bht_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, head, row) strides: (B, H, T, D) tensors as they are, packed (total, H, D)
-    ones with batch stride 0 (each sequence's first row comes from cu_seqlens)."""
-    return (0, t.stride(1), t.stride(0)) if varlen else tuple(t.stride()[:3])
-
-
 class TritonAttentionLaunch:
     """What every kernel of one attention call shares."""
 
@@ -163,8 +157,11 @@ class TritonAttentionLaunch:
     def key_blocks(self, kernel: str) -> int:
         return -(-self.Tk // getattr(self.cfg, kernel).block_n)
 
-    def strides(self, t):
-        return bht_strides(t, self.varlen)
+    def strides(self, t) -> tuple[int, int, int]:
+        """(batch, head, row) strides: (B, H, T, D) tensors as they are, packed (total, H, D)
+        ones with batch stride 0 (each sequence's first row comes from cu_seqlens). 16 calls
+        per forward+backward: one call deep on purpose (host time, bench_host.py)."""
+        return (0, t.stride(1), t.stride(0)) if self.varlen else t.stride()[:3]
 
     @staticmethod
     def launch(kernel, grid, args, constexprs):

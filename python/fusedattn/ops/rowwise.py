@@ -48,8 +48,10 @@ def new_output_like(t: torch.Tensor) -> torch.Tensor:
     return out.fill_(float("nan")) if poisoned() else out
 
 
+@functools.cache
 def kernels(name: str):
-    """fusedattn.triton_kernels.<name>, imported on first use."""
+    """fusedattn.triton_kernels.<name>, imported on first use (cached: import_module costs
+    0.5 µs a call on the host path, bench_host.py)."""
     return importlib.import_module(f"fusedattn.triton_kernels.{name}")
 
 
