@@ -136,7 +136,10 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
         or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
     ):
         key = launch_key(entry, args, constexprs, driver.active.get_current_device(), knobs)
-        hit = entry.compiled.get(key)
+        try:
+            hit = entry.compiled.get(key)
+        except TypeError:  # an unhashable constexpr (a list, say): Triton's path, uncached
+            key = hit = None
         if hit is not None:
             compiled, tail = hit
             size = len(grid)
