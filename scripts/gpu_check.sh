@@ -121,7 +121,10 @@ step bench-norms 200 $PYTHON benchmarks/run_all.py --quick --no-plots \
   --only layernorm,rmsnorm,softmax --out "$out_dir"
 step bench-model 200 $PYTHON benchmarks/run_all.py --quick --no-plots --only model \
   --out "$out_dir"
-step host 60 $PYTHON benchmarks/bench_host.py --out "$out_dir"
+# host: real launches at tiny shapes, the launch cache off then on (one CSV, labelled)
+step host 60 env FUSEDATTN_TRITON_LAUNCH_CACHE=0 $PYTHON benchmarks/bench_host.py \
+  --label " (launch cache off)" --out "$out_dir"
+step host:cache 60 $PYTHON benchmarks/bench_host.py --label " (launch cache on)" --out "$out_dir"
 if [[ $steps == *" profile "* ]]; then
   step profile 60 $PYTHON scripts/profile_attention.py
   step profile:causal 40 $PYTHON scripts/profile_attention.py --causal
