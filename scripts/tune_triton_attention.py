@@ -35,8 +35,8 @@ from pathlib import Path
 # (64x64w4s2: the tiles every card got before the H100 tuning; still the default off Hopper)
 CANDIDATES = {
     "fwd": ["64x64w4s2", "128x128w8s2", "128x64w8s3", "64x64w4s2t", "128x128w8s2t",
-            "128x64w8s3t"],
-    "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2"],
+            "128x64w8s3t", "128x128w8s3", "128x64w8s2"],
+    "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2", "128x64w8s2", "128x128w8s2"],
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x128w8s2m",
              "64x64w4s2m"],
 }  # fmt: skip
