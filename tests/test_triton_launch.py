@@ -152,6 +152,12 @@ def test_what_the_cache_cannot_see_takes_tritons_path_every_time(fake_triton, mo
     assert _paths(fake_triton) == ["triton"] * 3
 
 
+def test_a_grid_function_takes_tritons_path(fake_triton):
+    for _ in range(2):
+        triton_launch.launch(fake_triton, lambda meta: (1,), (_aligned(), None, 8, 1.0), {})
+    assert _paths(fake_triton) == ["triton"] * 2
+
+
 def test_an_unhashable_constexpr_takes_tritons_path(fake_triton):
     for _ in range(2):
         triton_launch.launch(fake_triton, (1,), (_aligned(), None, 8, 1.0), dict(BLOCK=[16]))

@@ -13,10 +13,10 @@ width, and at nothing else of a float), the dtype and 16-byte alignment of each 
 Triton reads of a tensor when it specialises), the constexprs and launch options, the current
 device and Triton's debug and instrumentation settings. Two calls with equal keys would have
 picked the same compiled kernel through Triton's own path, so the second one calls it directly
-(`CompiledKernel[grid](*all parameters)`, the runner Triton's own launch ends in): ~8 µs.
-Anything this cannot key (a kernel under the interpreter, pre-run hooks, globals the kernel
-reads, a stage-inspection hook, arguments that are not tensors-then-scalars) takes Triton's
-path every time. FUSEDATTN_TRITON_LAUNCH_CACHE=0 (read at import) turns the shortcut off.
+(`CompiledKernel[grid](*all parameters)`: the same launcher call Triton's own path ends in):
+~8 µs. Anything this cannot key (a kernel under the interpreter, pre-run hooks, globals the
+kernel reads, a stage-inspection hook, a grid given as a function, arguments that are not
+tensors-then-scalars) takes Triton's path every time. FUSEDATTN_TRITON_LAUNCH_CACHE=0 (read at import) turns the shortcut off.
 
 The arguments must be the tensor-like ones first (tensors, None, tensor descriptors), then
 scalars: every launcher in fusedattn builds them that way.
@@ -125,7 +125,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
     entry = _launches.get(id(kernel))
     if entry is None or entry.kernel is not kernel:
         entry = _launches[id(kernel)] = _new_entry(kernel, args)
-    if entry.tensors < 0:
+    if entry.tensors < 0 or callable(grid):
         kernel[grid](*args, **constexprs)
         return
     _, CompiledKernel, knobs, driver = _triton
