@@ -37,8 +37,16 @@ SHAPE = (1, 2, 64, 64)  # attention (B, H, T, D)
 ROWS = (64, 1024)  # the norms and softmax: (M, N)
 
 
+_stubbed = False
+
+
 def stub_driver_launch(tool_path: str) -> None:
-    """Compile for sm_90 on this machine and make the final launch a no-op."""
+    """Compile for sm_90 on this machine and make the final launch a no-op (once per process:
+    --check-launches and the timing both need it)."""
+    global _stubbed
+    if _stubbed:
+        return
+    _stubbed = True
     spec = importlib.util.spec_from_file_location("sm90_static", tool_path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -236,8 +244,8 @@ def main(argv=None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.check_launches:
-        if not args.sm90_tool:
-            parser.error("--check-launches needs --sm90-tool")
+        if not args.sm90_tool or torch.cuda.is_available():
+            parser.error("--check-launches needs --sm90-tool, on a machine without a GPU")
         stub_driver_launch(args.sm90_tool)
         import fusedattn.ops.backends as backends
 

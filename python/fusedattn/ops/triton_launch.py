@@ -16,7 +16,8 @@ picked the same compiled kernel through Triton's own path, so the second one cal
 (`CompiledKernel[grid](*all parameters)`: the same launcher call Triton's own path ends in):
 ~8 µs. Anything this cannot key (a kernel under the interpreter, pre-run hooks, globals the
 kernel reads, a stage-inspection hook, a grid given as a function, arguments that are not
-tensors-then-scalars) takes Triton's path every time. FUSEDATTN_TRITON_LAUNCH_CACHE=0 (read at import) turns the shortcut off.
+tensors-then-scalars) takes Triton's path every time. FUSEDATTN_TRITON_LAUNCH_CACHE=0 (read
+at import) turns the shortcut off.
 
 The arguments must be the tensor-like ones first (tensors, None, tensor descriptors), then
 scalars: every launcher in fusedattn builds them that way.
