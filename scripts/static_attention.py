@@ -10,9 +10,10 @@ ENVIRONMENT.md) where fusedattn is installed (`FUSEDATTN_SKIP_CUDA_BUILD=1 pip i
     python scripts/static_attention.py --tool ../shared/tools/sm90_static.py \\
         --variants plain,causal,window --tiles fwd=128x64w8s3,fwd=64x64w4s2 --csv out.csv
 
-Tiles are KERNEL=BMxBNwWARPSsSTAGES[t|m] with KERNEL one of fwd, dkdv, dq, a trailing t for
-tensor-descriptor (TMA) copies (the forward only) and m for dK/dV's boundary loops merged into
-one (Tiles.merge); the kernels not named keep the default GPU tiles. Each (variant, kernel, tiles) compiles in its own process.
+Tiles are KERNEL=BMxBNwWARPSsSTAGES[t][m][p] with KERNEL one of fwd, dkdv, dq; the flags (see
+Tiles in triton_kernels/attention.py): t, tensor-descriptor (TMA) copies, and p, the pipelined
+interior loop (the forward); m, dK/dV's boundary loops merged into one. The kernels not named
+keep the default GPU tiles. Each (variant, kernel, tiles) compiles in its own process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import dataclasses
 import importlib.util
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 # shapes of the H200 benchmark point (bf16, D=128): strides decide Triton's specialisation
 B, H, T, D = 1, 16, 4096, 128
@@ -38,21 +41,26 @@ VARIANTS = {
     "alibi": dict(alibi=True, window_right=0),
     "sinks": dict(sinks=True, window_right=0),
     "varlen": dict(varlen=True, window_right=0),
+    # every option at once, as the tests' "everything" variant (bottom-right alignment aside)
+    "everything": dict(window_left=1024, window_right=64, softcap=30.0, alibi=True, sinks=True,
+                       kpm=True, mask="float"),  # fmt: skip
 }
 KERNELS = ("fwd", "dkdv", "dq")
+SASS_LINE = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")  # as sm90_static.loops reads cuobjdump
 
 
 def parse_tiles(spec: str):
-    """KERNEL=BMxBNwWsS, a trailing t (tensor descriptors, fwd) or m (merged boundary loops,
-    dkdv) -> (kernel, Tiles fields)."""
+    """KERNEL=TILES with TILES as Tiles.parse takes them (flags t: tensor descriptors, p: the
+    pipelined interior loop, both fwd; m: merged boundary loops, dkdv) -> (kernel, Tiles)."""
+    from fusedattn.triton_kernels.attention import Tiles
+
     kernel, _, rest = spec.partition("=")
-    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)([tm]?)", rest)
-    flag = m.group(5) if m else ""
-    if kernel not in KERNELS or not m or {"t": "fwd", "m": "dkdv", "": kernel}[flag] != kernel:
-        raise argparse.ArgumentTypeError(
-            f"tiles look like fwd=128x64w8s3[t] or dkdv=64x128w8s3[m], got {spec!r}"
-        )
-    return kernel, (*(int(g) for g in m.groups()[:4]), flag == "t", flag == "m")
+    if kernel not in KERNELS:
+        raise argparse.ArgumentTypeError(f"tiles look like fwd=128x64w8s3p, got {spec!r}")
+    try:
+        return kernel, Tiles.parse(rest, kernel)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _load_tool(path: str):
@@ -63,7 +71,7 @@ def _load_tool(path: str):
     return tool
 
 
-def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, D: int = D) -> dict:
+def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = D) -> dict:
     """Compile one kernel of one variant for sm_90; its resources and inner loops."""
     tool = _load_tool(tool_path)
     import torch
@@ -75,7 +83,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, 
     cfg = A.attention_config(D, D, on_gpu=True, arch=90,  # the tiles an sm_90 card gets
                              alibi_or_varlen=bool(v.get("alibi") or v.get("varlen")))  # fmt: skip
     if tiles is not None:
-        cfg = dataclasses.replace(cfg, **{kernel: A.Tiles(*tiles)})
+        cfg = dataclasses.replace(cfg, **{kernel: tiles})
     bf16 = dict(dtype=torch.bfloat16)
     if v.get("varlen"):
         q, k, vv = (torch.empty(B * T, H, D, **bf16) for _ in range(3))
@@ -91,6 +99,8 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, 
     mask = None
     if v.get("mask") == "bool":
         mask = torch.empty(B, 1, T, T, dtype=torch.bool)
+    elif v.get("mask") == "float":
+        mask = torch.empty(B, 1, T, T, **bf16)
     L = TritonAttentionLaunch(
         q, k, vv, mask, torch.empty(B, T, dtype=torch.bool) if v.get("kpm") else None,
         torch.empty(H) if v.get("alibi") else None, torch.empty(H) if v.get("sinks") else None,
@@ -116,17 +126,48 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles: tuple | None, 
         variant=variant,
         head_dim=D,
         kernel=kernel,
-        tiles=f"{t.block_m}x{t.block_n}w{t.num_warps}s{t.num_stages}{'t' if t.tma else ''}{'m' if t.merge else ''}",
+        tiles=t.spec,
     )
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
     loops = tool.loops(compiled)
     elements = t.block_m * t.block_n
+    sass = _sass(tool, compiled)
     row["loops"] = " | ".join(
         f"{lp['instructions']} ins ({lp['instructions'] / elements * t.num_warps:.2f}/elem) "
-        f"int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} mma {lp['HGMMA'] or lp['HMMA']}"
+        f"int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} mma {lp['HGMMA'] or lp['HMMA']} "
+        f"mufu_under_wgmma {mufu_under_wgmma(sass[lp['lo'] : lp['hi'] + 1])}"
         for lp in loops
     )
     return row
+
+
+def _sass(tool, compiled) -> list[str]:
+    """The kernel's SASS instructions, indexed as the tool's loops() index them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        text = subprocess.run([os.path.join(tool._BIN, "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return [m.group(1).strip() for m in map(SASS_LINE.match, text.splitlines()) if m]
+
+
+def mufu_under_wgmma(body: list[str]) -> int:
+    """MUFU instructions (the softmax's exp2) of one loop iteration issued while a wgmma is in
+    flight: after an HGMMA and before the WARPGROUP.DEPBAR that waits for all of them (LE 0),
+    counting a wgmma left in flight at the back edge into the next iteration's head. What
+    Tiles.pipeline is for; with it 0, the softmax and the tensor cores take turns."""
+    in_flight, count = False, 0
+    for lap in range(2):  # the first lap only finds what crosses the back edge
+        for text in body:
+            op = re.sub(r"^@!?U?P\w+\s+", "", text)
+            if op.startswith("HGMMA"):
+                in_flight = True
+            elif op.startswith("WARPGROUP.DEPBAR") and op.rstrip().endswith("0x0"):
+                in_flight = False
+            elif op.startswith("MUFU") and in_flight and lap:
+                count += 1
+    return count
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -167,7 +208,8 @@ def main(argv=None) -> int:
             try:
                 row = future.result()
             except Exception as exc:  # report and go on: one bad candidate must not stop a screen
-                row = dict(variant=job[1], kernel=job[2], tiles=str(job[3]), error=repr(exc)[:300])
+                tiles = job[3].spec if job[3] else "shipped"
+                row = dict(variant=job[1], kernel=job[2], tiles=tiles, error=repr(exc)[:300])
             rows.append(row)
             print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.csv:

@@ -30,12 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-# (kernel, "BMxBNwWARPSsSTAGES[t|m]", t: tensor-descriptor (TMA) copies, m: dK/dV's boundary
-# loops merged, Tiles.merge); the shipped tiles are always measured first
-# (64x64w4s2: the tiles every card got before the H100 tuning; still the default off Hopper)
+# (kernel, Tiles.parse specs: "BMxBNwWARPSsSTAGES" and flags t: tensor-descriptor (TMA)
+# copies, p: the forward's pipelined interior loop, m: dK/dV's boundary loops merged); the
+# shipped tiles are always measured first (64x64w4s2: the tiles every card got before the
+# H100 tuning; still the default off Hopper)
 CANDIDATES = {
     "fwd": ["64x64w4s2", "128x128w8s2", "128x64w8s3", "64x64w4s2t", "128x128w8s2t",
-            "128x64w8s3t", "128x128w8s3", "128x64w8s2"],
+            "128x64w8s3t", "128x128w8s3", "128x64w8s2", "128x64w8s3p", "128x64w8s2p",
+            "128x64w8s3tp"],
     "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2", "128x64w8s2", "128x128w8s2"],
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x128w8s2m",
              "64x64w4s2m"],
@@ -59,15 +61,10 @@ def visible_pairs(t: int, causal: bool, window: int) -> float:
 
 
 def tiles(spec: str):
-    """BMxBNwWARPSsSTAGES, a trailing t: tensor descriptors (fwd), m: merged boundary loops
-    (dkdv, Tiles.merge)."""
+    """The Tiles a candidate names (Tiles.parse: BMxBNwWARPSsSTAGES and flags t, m, p)."""
     from fusedattn.triton_kernels.attention import Tiles
 
-    flag = spec[-1] if spec[-1] in "tm" else ""
-    bm, rest = spec.removesuffix(flag).split("x")
-    bn, rest = rest.split("w")
-    warps, stages = rest.split("s")
-    return Tiles(int(bm), int(bn), int(warps), int(stages), tma=flag == "t", merge=flag == "m")
+    return Tiles.parse(spec)
 
 
 def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, window=-1):

@@ -24,6 +24,7 @@ query blocks longest first.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, replace
 
 import triton
@@ -43,7 +44,12 @@ class Tiles:
     3.6 waits on every wgmma when the kernel has three loops (causal, windows, ALiBi: 24
     warpgroup arrive/wait pairs per iteration against 4), but the merged loop spills in some
     variants (benchmarks/results/sm90-static/); attention_config turns it on where the H100
-    timed it faster."""
+    timed it faster; pipeline: the forward's interior loop runs each tile's softmax while the
+    tensor cores work on the neighbouring tiles' products (_fwd_tiles; forward only).
+
+    Written as BMxBNwWARPSsSTAGES plus a flag letter each for tma (t), merge (m) and
+    pipeline (p), as the tuning and screening scripts take them: `Tiles.parse("128x64w8s3p")`,
+    `.spec`."""
 
     block_m: int
     block_n: int
@@ -51,6 +57,25 @@ class Tiles:
     num_stages: int
     tma: bool = False
     merge: bool = False
+    pipeline: bool = False
+
+    @property
+    def spec(self) -> str:
+        flags = "t" * self.tma + "m" * self.merge + "p" * self.pipeline
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{flags}"
+
+    @classmethod
+    def parse(cls, spec: str, kernel: str | None = None) -> Tiles:
+        """The tiles a spec names; ValueError for a malformed one, or (given the kernel: fwd,
+        dkdv or dq) a flag that kernel does not have."""
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)(m?)(p?)", spec)
+        if not m:
+            raise ValueError(f"tiles look like 128x64w8s3 plus flags t, m, p; got {spec!r}")
+        tiles = cls(*(int(g) for g in m.groups()[:4]), *(bool(g) for g in m.groups()[4:]))
+        allowed = {"fwd": "tp", "dkdv": "m", "dq": ""}.get(kernel, "tmp")
+        if set(spec[m.end(4) :]) - set(allowed):
+            raise ValueError(f"{kernel} tiles take the flags {allowed or 'none'!r}: {spec!r}")
+        return tiles
 
 
 @dataclass(frozen=True)
@@ -368,6 +393,75 @@ def _grid_block(pid, num_blocks, LONGEST_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _fwd_scores(
+    q, K_head, sk_t, start_n, rows, d, b, h, hk, q_len, k_len, offset, slope2, scale, softcap,
+    window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, D,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """log2-domain scores of the key tile at start_n. USE_TMA: K_head is the (B, Hkv, Tk, D)
+    tensor descriptor, whose copies zero-fill past Tk and D (no bounds masks); otherwise a
+    pointer to this head's row 0."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    if USE_TMA:
+        at = [b.to(tl.int32), hk.to(tl.int32), start_n, 0]  # 32-bit coordinates
+        kt = tl.trans(K_head.load(at).reshape(BLOCK_N, BLOCK_D))
+    else:
+        k_keep = (d < D)[:, None]
+        if POSITIONAL:  # interior tiles are whole: no bounds to check
+            k_keep = k_keep & (cols < k_len)[None, :]
+        kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
+                     other=0.0)  # fmt: skip
+    s, _ = _tile_scores(
+        _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
+        k_len, offset, slope2, scale, softcap, window_left, window_right,
+        MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
+    )  # fmt: skip
+    return s
+
+
+@triton.jit
+def _fwd_softmax(s, acc, l_i, m_i):
+    """One tile's online-softmax step: its probabilities p = 2^(s - m) against the new running
+    max m, the running sum l and the accumulator rescaled to m (P·V not yet added)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, acc * alpha[:, None], l_i, m_new
+
+
+@triton.jit
+def _fwd_pv(
+    acc, p, V_head, sv_t, start_n, rows, dv, b, hk, bh, k_len, KPM, SEED, skp_b, Dv, Tq, Tk,
+    dropout_p, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """acc + P·V for the key tile at start_n (dropout applied to p here: the normaliser keeps
+    the undropped mass)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    if USE_TMA:
+        v = V_head.load([b.to(tl.int32), hk.to(tl.int32), start_n, 0])
+        v = v.reshape(BLOCK_N, BLOCK_DV)
+        if HAS_KPM:  # a padded key never contributes, even a NaN in its value
+            keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
+            v = tl.where(keep, v, 0.0)
+    else:
+        v_keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
+        v = tl.load(V_head + cols[:, None].to(tl.int64) * sv_t + dv[None, :], mask=v_keep,
+                    other=0.0)  # fmt: skip
+    if DROPOUT:
+        p = p * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
+    return acc + _dot(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
+
+
+@triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
     b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
@@ -376,49 +470,66 @@ def _fwd_tiles(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """The online-softmax update of key tiles [lo, hi). USE_TMA: K_head and V_head are the
-    (B, Hkv, Tk, D) tensor descriptors, whose copies zero-fill past Tk and D (so they need no
-    bounds masks); otherwise pointers to this head's row 0."""
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
-        cols = start_n + tl.arange(0, BLOCK_N)
-        if USE_TMA:
-            at = [b.to(tl.int32), hk.to(tl.int32), start_n, 0]  # 32-bit coordinates
-            kt = tl.trans(K_head.load(at).reshape(BLOCK_N, BLOCK_D))
-        else:
-            k_keep = (d < D)[:, None]
-            if POSITIONAL:  # interior tiles are whole: no bounds to check
-                k_keep = k_keep & (cols < k_len)[None, :]
-            kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
-                         other=0.0)  # fmt: skip
-        s, _ = _tile_scores(
-            _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
-            k_len, offset, slope2, scale, softcap, window_left, window_right,
-            MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
-        )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_TMA:
-            v = V_head.load([b.to(tl.int32), hk.to(tl.int32), start_n, 0])
-            v = v.reshape(BLOCK_N, BLOCK_DV)
-            if HAS_KPM:  # a padded key never contributes, even a NaN in its value
-                keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
-                v = tl.where(keep, v, 0.0)
-        else:
-            v_keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
-            v = tl.load(V_head + cols[:, None].to(tl.int64) * sv_t + dv[None, :], mask=v_keep,
-                        other=0.0)  # fmt: skip
-        if DROPOUT:  # the normaliser l_i keeps the undropped mass
-            p = p * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
-        m_i = m_new
+    """The online-softmax update of key tiles [lo, hi).
+
+    PIPELINE: tile j's softmax runs in the iteration that issues tile j+1's Q·K^T, and its P·V
+    is issued last, so neither product is waited on before the softmax that does not need it.
+    On sm_90 (Triton 3.6) the SASS then issues tile j's exp2 between the next tile's wgmma and
+    the wait for it, and P·V stays in flight across the back edge; without it the softmax runs
+    with no product in flight. The scores of one tile stay live across an iteration (D=128,
+    128x64/8 warps: 170 -> 215 registers, 173 with TMA; benchmarks/results/sm90-static/).
+    Carrying the raw product q·k instead of the scores made ptxas serialize every wgmma (it
+    copies the in-flight accumulator at the back edge: C7514)."""
+    if PIPELINE:
+        if lo < hi:
+            s = _fwd_scores(
+                q, K_head, sk_t, lo, rows, d, b, h, hk, q_len, k_len, offset, slope2, scale,
+                softcap, window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
+                D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, BLOCK_N, BLOCK_D,
+            )  # fmt: skip
+            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                s_next = _fwd_scores(
+                    q, K_head, sk_t, start_n, rows, d, b, h, hk, q_len, k_len, offset,
+                    slope2, scale, softcap, window_left, window_right, MASK, KPM, sm_b, sm_h,
+                    sm_q, sm_k, skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT,
+                    HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32,
+                    INTERPRETED, USE_TMA, BLOCK_N, BLOCK_D,
+                )  # fmt: skip
+                p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
+                acc = _fwd_pv(
+                    acc, p, V_head, sv_t, start_n - BLOCK_N, rows, dv, b, hk, bh, k_len, KPM,
+                    SEED, skp_b, Dv, Tq, Tk, dropout_p, HAS_KPM, DROPOUT, POSITIONAL,
+                    PRECISION, DOT_IN_FP32, USE_TMA, BLOCK_N, BLOCK_DV,
+                )  # fmt: skip
+                s = s_next
+            last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N  # the loop's last start_n
+            p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
+            acc = _fwd_pv(
+                acc, p, V_head, sv_t, last, rows, dv, b, hk, bh, k_len, KPM, SEED, skp_b, Dv,
+                Tq, Tk, dropout_p, HAS_KPM, DROPOUT, POSITIONAL, PRECISION, DOT_IN_FP32,
+                USE_TMA, BLOCK_N, BLOCK_DV,
+            )  # fmt: skip
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
+            s = _fwd_scores(
+                q, K_head, sk_t, start_n, rows, d, b, h, hk, q_len, k_len, offset, slope2,
+                scale, softcap, window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k,
+                skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, BLOCK_N,
+                BLOCK_D,
+            )  # fmt: skip
+            p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
+            acc = _fwd_pv(
+                acc, p, V_head, sv_t, start_n, rows, dv, b, hk, bh, k_len, KPM, SEED, skp_b,
+                Dv, Tq, Tk, dropout_p, HAS_KPM, DROPOUT, POSITIONAL, PRECISION, DOT_IN_FP32,
+                USE_TMA, BLOCK_N, BLOCK_DV,
+            )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -435,9 +546,12 @@ def attention_fwd(
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PIPELINE: tl.constexpr = False,
 ):  # fmt: skip
     """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
-    D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused."""
+    D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
+    PIPELINE (Tiles.pipeline): the interior loop overlaps each tile's softmax with the tensor
+    cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -485,7 +599,7 @@ def attention_fwd(
             window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
             dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
             SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
-            BLOCK_N, BLOCK_D, BLOCK_DV,
+            PIPELINE and part == 1, BLOCK_N, BLOCK_D, BLOCK_DV,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if USE_TMA:  # the copy clips rows past Tq and columns past Dv

@@ -188,6 +188,8 @@ class TritonAttentionLaunch:
         constexprs = dict(
             HAS_SINKS=self.sinks is not None, USE_TMA=use_tma, **self.flags, **self.tiles("fwd")
         )
+        if t.pipeline:
+            constexprs["PIPELINE"] = True
         return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
 
     def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
