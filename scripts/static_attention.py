@@ -42,8 +42,15 @@ VARIANTS = {
     "sinks": dict(sinks=True, window_right=0),
     "varlen": dict(varlen=True, window_right=0),
     # every option at once, as the tests' "everything" variant (bottom-right alignment aside)
-    "everything": dict(window_left=1024, window_right=64, softcap=30.0, alibi=True, sinks=True,
-                       kpm=True, mask="float"),  # fmt: skip
+    "everything": dict(
+        window_left=1024,
+        window_right=64,
+        softcap=30.0,
+        alibi=True,
+        sinks=True,
+        kpm=True,
+        mask="float",
+    ),
 }
 KERNELS = ("fwd", "dkdv", "dq")
 SASS_LINE = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")  # as sm90_static.loops reads cuobjdump
