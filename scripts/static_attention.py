@@ -1,7 +1,9 @@
 """Compile the Triton attention kernels for Hopper (sm_90) without a GPU and print what the
-compiler made of them: registers, spills, shared memory, whether the dots became wgmma, and
-the SASS instruction mix of each key/query loop per iteration. Screen tile and variant
-candidates here before spending device minutes on them (issue #12).
+compiler made of them: registers, spills, shared memory, whether the dots became wgmma, the
+SASS instruction mix of each key/query loop per iteration, and how many of a loop's MUFU
+(exp2) issue while a wgmma is in flight (mufu_under_wgmma: the softmax hidden under the tensor
+cores). Screen tile and variant candidates here before spending device minutes on them
+(issue #12).
 
 Run it in a venv with the GPU machine's versions (torch 2.11, triton 3.6: see
 ENVIRONMENT.md) where fusedattn is installed (`FUSEDATTN_SKIP_CUDA_BUILD=1 pip install
