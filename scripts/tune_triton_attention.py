@@ -153,7 +153,9 @@ def main(argv=None) -> int:
     cases = args.cases.split(",")
     jobs = [(c, kern, spec) for c in cases for kern, specs in CANDIDATES.items()
             for spec in [None, *specs]]  # fmt: skip
-    failed = {}  # job -> the compile error: not compiled again (ptxas can take a while to crash)
+    # job -> its compiler error (ptxas or Triton's own): not compiled again when timed (ptxas
+    # can take a while to crash); any other failure of a child is retried in this process
+    failed = {}
     if gpu and args.jobs > 1:
         start = time.perf_counter()
         ctx = __import__("multiprocessing").get_context("spawn")
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
                 try:
                     future.result()
                 except Exception as exc:  # reported again (and skipped) when timed below
-                    failed[futures[future]] = exc
+                    if type(exc).__name__ in ("PTXASError", "CompilationError"):
+                        failed[futures[future]] = exc
                     print(f"  compile {futures[future]}: {repr(exc)[:200]}", flush=True)
         print(f"compiled {len(jobs)} candidates in {time.perf_counter() - start:.0f}s", flush=True)
     rows = []
