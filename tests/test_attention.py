@@ -70,6 +70,48 @@ def test_every_mask_at_once_with_gqa_scale_and_a_sliced_layout():
           key_padding_mask=kpm, grad_of=(*ALL, "attn_mask"))  # fmt: skip
 
 
+def forward_constexprs(q, k, v, attn_mask, scale, softcap=0.0):
+    """The forward kernel's constexpr keywords for a call with these arguments."""
+    from fusedattn.ops.attention_launch import TritonAttentionLaunch
+
+    L = TritonAttentionLaunch(
+        q, k, v, attn_mask, None, None, None, None, None, 0, 0, window_left=-1, window_right=0,
+        bottom_right=False, scale=scale, softcap=softcap, dropout_p=0.0, seed=None,
+    )  # fmt: skip
+    return L.fwd_args(q, k, v, torch.empty_like(q), torch.empty(L.lse_shape))[2]
+
+
+def test_the_mask_goes_through_the_dot_where_the_scores_allow_it():
+    """The forward adds attn_mask / scale as the dot's accumulator (_fwd_scores): only with a
+    mask, without softcap (its tanh comes before the mask) and with a non-zero scale."""
+    s = AttentionShape(1, 2, 2, 8, 8, 16, 16)
+    q, k, v = make_qkv(s, torch.float32, torch.get_default_device())
+    mask = torch.randn(8, 8)
+    assert forward_constexprs(q, k, v, mask, 0.25).get("MASK_IN_DOT") is True
+    assert forward_constexprs(q, k, v, mask > 0, -0.5).get("MASK_IN_DOT") is True
+    assert "MASK_IN_DOT" not in forward_constexprs(q, k, v, mask, 0.0)
+    assert "MASK_IN_DOT" not in forward_constexprs(q, k, v, mask, 0.25, softcap=2.0)
+    assert "MASK_IN_DOT" not in forward_constexprs(q, k, v, None, 0.25)
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.7, 0.0], ids=["positive", "negative", "zero"])
+@pytest.mark.parametrize("kind", ["bool", "float_with_minus_inf"])
+def test_masks_with_any_scale_causal_and_key_padding(kind, scale):
+    """Masks through the dot's accumulator (scale != 0) and after it (scale 0): a negative
+    scale flips the sign of mask / scale and back; -inf entries and rows the mask hides
+    entirely (query 5) give 0, not NaN."""
+    s = AttentionShape(2, 2, 1, 37, 70, 16, 16)
+    if kind == "bool":
+        mask = torch.rand(2, 1, 37, 70) > 0.3
+        mask[:, :, 5] = False
+    else:
+        mask = torch.randn(2, 1, 37, 70)
+        mask[torch.rand(2, 1, 37, 70) < 0.3] = float("-inf")
+        mask[:, :, 5] = float("-inf")
+    kpm = masks.padding_mask_from_lengths(torch.tensor([70, 41]), 70)
+    check(s, attn_mask=mask, is_causal=True, key_padding_mask=kpm, scale=scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fully_masked_rows_zero_output_zero_grads_minus_inf_lse(dtype):
     s = AttentionShape(2, 2, 2, 20, 24, 16, 16)

@@ -165,6 +165,14 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """acc + a @ b, the sum taken by the dot itself (its accumulator input); as _dot."""
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _tanh(x, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """tanh of the softcap. Where the dots run at reduced precision (half inputs, or fp32 with
     TF32 allowed): 1 - 2 / (2^(2x log2 e) + 1) in fp32, one ex2 and one division, at most
@@ -400,11 +408,18 @@ def _fwd_scores(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_IN_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """log2-domain scores of the key tile at start_n. USE_TMA: K_head is the (B, Hkv, Tk, D)
     tensor descriptor, whose copies zero-fill past Tk and D (no bounds masks); otherwise a
-    pointer to this head's row 0."""
+    pointer to this head's row 0.
+
+    MASK_IN_DOT (attn_mask without softcap, scale != 0: the launcher decides): the mask enters
+    as the dot's accumulator, mask / scale (a bool mask as 0 / -inf), so q·k + mask / scale
+    times scale is the masked score. Added after the dot instead, on sm_90 (Triton 3.6) with
+    causal or key padding beside it, the compiler kept the softmax's row statistics in two
+    layouts and computed every exp2 twice: 2381 instructions per iteration and 1.4 KB of
+    spills at D=128 against 919 and none this way (benchmarks/results/sm90-static/)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
         at = [b.to(tl.int32), hk.to(tl.int32), start_n, 0]  # 32-bit coordinates
@@ -415,11 +430,27 @@ def _fwd_scores(
             k_keep = k_keep & (cols < k_len)[None, :]
         kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
                      other=0.0)  # fmt: skip
+    if MASK_IN_DOT:
+        qi = rows[:, None]
+        kj = cols[None, :]
+        in_bounds = qi < q_len
+        if POSITIONAL:
+            in_bounds = in_bounds & (kj < k_len)
+        m = tl.load(MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k,
+                    mask=in_bounds, other=0)  # fmt: skip
+        inv_scale = 1.0 / scale  # a scalar: one division per tile, a multiply per element
+        if MASK_IS_BOOL:
+            bias = tl.where(m != 0, 0.0, float("-inf")) * inv_scale
+        else:
+            bias = m.to(tl.float32) * inv_scale
+        qk = _dot_acc(q, kt, bias, PRECISION, DOT_IN_FP32)
+    else:
+        qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
     s, _ = _tile_scores(
-        _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
-        k_len, offset, slope2, scale, softcap, window_left, window_right,
-        MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
+        qk, rows[:, None], cols[None, :], b, h, q_len, k_len, offset, slope2, scale, softcap,
+        window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
+        HAS_MASK and not MASK_IN_DOT, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+        HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
     )  # fmt: skip
     return s
 
@@ -470,8 +501,8 @@ def _fwd_tiles(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """The online-softmax update of key tiles [lo, hi).
 
@@ -489,7 +520,8 @@ def _fwd_tiles(
                 q, K_head, sk_t, lo, rows, d, b, h, hk, q_len, k_len, offset, slope2, scale,
                 softcap, window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
                 D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
-                POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, BLOCK_N, BLOCK_D,
+                POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N,
+                BLOCK_D,
             )  # fmt: skip
             for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
                 start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -498,7 +530,7 @@ def _fwd_tiles(
                     slope2, scale, softcap, window_left, window_right, MASK, KPM, sm_b, sm_h,
                     sm_q, sm_k, skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT,
                     HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32,
-                    INTERPRETED, USE_TMA, BLOCK_N, BLOCK_D,
+                    INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N, BLOCK_D,
                 )  # fmt: skip
                 p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
                 acc = _fwd_pv(
@@ -521,8 +553,8 @@ def _fwd_tiles(
                 q, K_head, sk_t, start_n, rows, d, b, h, hk, q_len, k_len, offset, slope2,
                 scale, softcap, window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k,
                 skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, BLOCK_N,
-                BLOCK_D,
+                HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
+                MASK_IN_DOT, BLOCK_N, BLOCK_D,
             )  # fmt: skip
             p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
             acc = _fwd_pv(
@@ -546,12 +578,13 @@ def attention_fwd(
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PIPELINE: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
     D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
     PIPELINE (Tiles.pipeline): the interior loop overlaps each tile's softmax with the tensor
-    cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain."""
+    cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain. MASK_IN_DOT: the
+    attn_mask enters through the dot's accumulator (_fwd_scores)."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -599,7 +632,7 @@ def attention_fwd(
             window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
             dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
             SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
-            PIPELINE and part == 1, BLOCK_N, BLOCK_D, BLOCK_DV,
+            PIPELINE and part == 1, MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if USE_TMA:  # the copy clips rows past Tq and columns past Dv

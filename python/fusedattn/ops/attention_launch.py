@@ -190,6 +190,9 @@ class TritonAttentionLaunch:
         )
         if t.pipeline:
             constexprs["PIPELINE"] = True
+        scale, softcap = self.scalars[0], self.scalars[1]
+        if self.mask is not None and softcap == 0.0 and scale != 0.0:
+            constexprs["MASK_IN_DOT"] = True  # the mask as the dot's accumulator (_fwd_scores)
         return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
 
     def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
