@@ -419,7 +419,10 @@ def _fwd_scores(
     times scale is the masked score. Added after the dot instead, on sm_90 (Triton 3.6) with
     causal or key padding beside it, the compiler kept the softmax's row statistics in two
     layouts and computed every exp2 twice: 2381 instructions per iteration and 1.4 KB of
-    spills at D=128 against 919 and none this way (benchmarks/results/sm90-static/)."""
+    spills at D=128 against 850 and none this way (benchmarks/results/sm90-static/). A finite
+    mask value below -3.4e38 * |scale| overflows to -inf here (added after the dot: below
+    -2.4e38, through log2(e)): a row whose every key has one gives 0, where float64 averages
+    them. Keeping it finite cost ~25 % more instructions per masked iteration."""
     cols = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
         at = [b.to(tl.int32), hk.to(tl.int32), start_n, 0]  # 32-bit coordinates
