@@ -12,6 +12,7 @@ import pytest
 import torch
 from hard_shapes import AttentionShape, make_qkv
 from kx_check import assert_op_kx
+from test_attention_tma import tma_forward  # noqa: F401 (the fixture, used by name)
 from test_attention_variants import SHAPES, VARIANTS, check, variant_inputs
 
 import fusedattn
@@ -191,27 +192,17 @@ def test_pipelined_forward_varlen():
                  grad_of=("q", "k", "v"))  # fmt: skip
 
 
-@pytest.mark.usefixtures("pipelined_forward")
+@pytest.mark.usefixtures("pipelined_forward", "tma_forward")
 def test_pipelined_forward_tma_half():
     """With tensor descriptors as well (Tiles 't' + 'p'; the interpreter on CPU, sm_90 on a
     GPU)."""
-    device = torch.get_default_device()
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        pytest.skip("tensor descriptors need sm_90 or later")
-    original = K.attention_config
-
-    def both(D, Dv, on_gpu, **kw):
-        cfg = original(D, Dv, on_gpu, **kw)
-        return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, tma=True))
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(K, "attention_config", both)
-        pipelined_or_skip(probe(torch.bfloat16, 64), probe(torch.bfloat16, 64))
-        tensors, kwargs, grad_of = variant_inputs(
-            AttentionShape(2, 2, 2, 150, 333, 64, 64), torch.bfloat16, VARIANTS["everything"]
-        )
-        assert_op_kx(triton_attention, fusedattn.reference.attention, tensors, kwargs=kwargs,
-                     grad_of=grad_of)  # fmt: skip
+    pipelined_or_skip(probe(torch.bfloat16, 64), probe(torch.bfloat16, 64))
+    assert fwd_tiles(probe(torch.bfloat16, 64), probe(torch.bfloat16, 64))["USE_TMA"]
+    tensors, kwargs, grad_of = variant_inputs(
+        AttentionShape(2, 2, 2, 150, 333, 64, 64), torch.bfloat16, VARIANTS["everything"]
+    )
+    assert_op_kx(triton_attention, fusedattn.reference.attention, tensors, kwargs=kwargs,
+                 grad_of=grad_of)  # fmt: skip
 
 
 # ---- the screen's measure of the overlap (scripts/static_attention.py) -------------------------
