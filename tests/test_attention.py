@@ -112,6 +112,25 @@ def test_masks_with_any_scale_causal_and_key_padding(kind, scale):
     check(s, attn_mask=mask, is_causal=True, key_padding_mask=kpm, scale=scale)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masked_loops_keep_empty_parts_empty_and_past_the_end_rows_apart(kind):
+    """The loops that read attn_mask start on a tile boundary the compiler can see (the start
+    rounded down, _tile_start). A part of the key range that holds no tile may start between
+    tiles (where the part before it ends); rounded down it ran a tile twice (outputs off by ~2:
+    caught with a bottom-right window, key padding and a mask). Rows past the end of the last
+    query block read the last row's mask (forward, dq): here that row sees nothing."""
+    s = AttentionShape(2, 2, 2, 63, 129, 16, 16)
+    if kind == "bool":
+        mask = torch.rand(1, 2, 63, 129) > 0.2
+        mask[..., -1, :] = False
+    else:
+        mask = torch.randn(1, 2, 63, 129)
+        mask[..., -1, :] = float("-inf")
+    kpm = masks.padding_mask_from_lengths(torch.tensor([129, 77]), 129)
+    check(s, attn_mask=mask, window_size=(25, 5), causal_alignment="bottom_right",
+          key_padding_mask=kpm)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fully_masked_rows_zero_output_zero_grads_minus_inf_lse(dtype):
     s = AttentionShape(2, 2, 2, 20, 24, 16, 16)

@@ -220,8 +220,8 @@ def _seq_bounds(b, CU_Q, CU_K, Tq, Tk, VARLEN: tl.constexpr):
 
 @triton.jit
 def _tile_scores(
-    qk, qi, kj, b, h, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
-    MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
+    qk, qi, kj, b, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right, m,
+    KPM, skp_b,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -231,9 +231,10 @@ def _tile_scores(
     kj are the query and key indices broadcast to the tile's shape), and t = tanh(s / softcap)
     (the softcap's derivative is 1 - t^2; t is qk itself without softcap).
 
-    scale, then softcap, then ALiBi (-slope·|p - j|) and the float mask are added; -inf where a
-    key is hidden: key padding, a bool mask, and with POSITIONAL the window and the sequence
-    bounds (interior tiles skip those: every row of the tile sees every key of it)."""
+    scale, then softcap, then ALiBi (-slope·|p - j|) and the float mask m (the tile
+    _mask_tile read) are added; -inf where a key is hidden: key padding, a bool mask (the
+    backward applies its bool masks to P instead), and with POSITIONAL the window and the
+    sequence bounds (interior tiles skip those: every row of the tile sees every key of it)."""
     t = qk
     if SOFTCAP:
         t = _tanh(qk * (scale / softcap), PRECISION, INTERPRETED)
@@ -256,19 +257,25 @@ def _tile_scores(
             pad = tl.load(KPM + b * skp_b + kj)
         s = tl.where(pad == 0, s, float("-inf"))
     if HAS_MASK:
-        in_bounds = qi < q_len  # (a query block may run past the end; a key tile, inside)
-        if POSITIONAL:
-            in_bounds = in_bounds & (kj < k_len)
-        m = tl.load(
-            MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k,
-            mask=in_bounds,
-            other=0,
-        )
         if MASK_IS_BOOL:
             s = tl.where(m != 0, s, float("-inf"))
         else:
             s = s + m.to(tl.float32) * 1.4426950408889634
     return s, t
+
+
+@triton.jit
+def _mask_tile(MASK, b, h, qi, kj, q_len, k_len, sm_b, sm_h, sm_q, sm_k,
+               POSITIONAL: tl.constexpr):  # fmt: skip
+    """The attn_mask's entries at query rows qi and keys kj (broadcast to the tile's shape),
+    0 outside [0, q_len) x [0, k_len) on boundary tiles (POSITIONAL). Interior tiles read
+    without bounds, so the loads carry no predicate and the tile no select after them: the
+    caller passes rows clamped into the sequence where its block runs past the end (forward,
+    dq: those rows are never stored), and interior key or query tiles are whole."""
+    ptrs = MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k
+    if POSITIONAL:
+        return tl.load(ptrs, mask=(qi < q_len) & (kj < k_len), other=0)
+    return tl.load(ptrs)
 
 
 @triton.jit
@@ -371,6 +378,22 @@ def _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _tile_start(lo, hi, BLOCK: tl.constexpr):
+    """The tile range [lo, hi) with lo in a form whose divisibility the compiler sees, for
+    loops that load the dense mask along the loop's index. A range that holds tiles starts on
+    a multiple of BLOCK, but through the min/max of the range split the compiler cannot tell,
+    and tl.multiple_of on a loop variable is lost (no defining op to carry it): the mask's
+    addresses then had unknown alignment and its loads went to single bytes outside the
+    cp.async pipeline. On sm_90 (Triton 3.6, D=128) the dq loop with a bool mask and causal:
+    851 -> 527 instructions per iteration, 156 B of spills -> none; the forward's likewise
+    (benchmarks/results/sm90-static/). An empty range may start anywhere (at the end of the
+    one before it): it stays empty. Loops without a mask keep their bounds: the rounding moved
+    their SASS by a few percent either way."""
+    start = lo // BLOCK * BLOCK
+    return start, tl.where(lo < hi, hi, start)
+
+
+@triton.jit
 def _part_bounds(part: tl.constexpr, lo, mid_lo, mid_hi, hi):
     """Tile range of loop part 0 (leading boundary), 1 (interior: no positional mask) or 2
     (trailing boundary) of a [lo, mid_lo) + [mid_lo, mid_hi) + [mid_hi, hi) split."""
@@ -433,14 +456,11 @@ def _fwd_scores(
             k_keep = k_keep & (cols < k_len)[None, :]
         kt = tl.load(K_head + cols[None, :].to(tl.int64) * sk_t + d[:, None], mask=k_keep,
                      other=0.0)  # fmt: skip
+    m = 0.0
+    if HAS_MASK:  # rows past the end read the last row's mask
+        m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :], q_len,
+                       k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL)  # fmt: skip
     if MASK_IN_DOT:
-        qi = rows[:, None]
-        kj = cols[None, :]
-        in_bounds = qi < q_len
-        if POSITIONAL:
-            in_bounds = in_bounds & (kj < k_len)
-        m = tl.load(MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k,
-                    mask=in_bounds, other=0)  # fmt: skip
         inv_scale = 1.0 / scale  # a scalar: one division per tile, a multiply per element
         if MASK_IS_BOOL:
             bias = tl.where(m != 0, 0.0, float("-inf")) * inv_scale
@@ -450,10 +470,9 @@ def _fwd_scores(
     else:
         qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
     s, _ = _tile_scores(
-        qk, rows[:, None], cols[None, :], b, h, q_len, k_len, offset, slope2, scale, softcap,
-        window_left, window_right, MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b,
-        HAS_MASK and not MASK_IN_DOT, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
+        qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
+        window_left, window_right, m, KPM, skp_b, HAS_MASK and not MASK_IN_DOT, MASK_IS_BOOL,
+        HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
     )  # fmt: skip
     return s
 
@@ -517,6 +536,8 @@ def _fwd_tiles(
     128x64/8 warps: 170 -> 215 registers, 173 with TMA; benchmarks/results/sm90-static/).
     Carrying the raw product q·k instead of the scores made ptxas serialize every wgmma (it
     copies the in-flight accumulator at the back edge: C7514)."""
+    if HAS_MASK:
+        lo, hi = _tile_start(lo, hi, BLOCK_N)
     if PIPELINE:
         if lo < hi:
             s = _fwd_scores(
@@ -699,13 +720,20 @@ def _dkdv_tiles(
             lse = tl.load(LSE_head + row_ptr)
             delta = tl.load(DELTA_head + row_ptr)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        qkt = _dot(k, qt, PRECISION, DOT_IN_FP32)
+        m = 0.0
+        if HAS_MASK:  # (interior query tiles are whole, and so is an interior key block)
+            m = _mask_tile(MASK, b, h, rows[None, :], cols[:, None], q_len, k_len, sm_b, sm_h,
+                           sm_q, sm_k, POSITIONAL)  # fmt: skip
         st, t = _tile_scores(
-            _dot(k, qt, PRECISION, DOT_IN_FP32), rows[None, :], cols[:, None], b, h, q_len,
-            k_len, offset, slope2, scale, softcap, window_left, window_right,
-            MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
+            qkt, rows[None, :], cols[:, None], b, q_len, k_len, offset, slope2, scale, softcap,
+            window_left, window_right, m, KPM, skp_b, HAS_MASK and not MASK_IS_BOOL,
+            MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
+            INTERPRETED, PRECISION,
         )  # fmt: skip
         pt = tl.exp2(st - lse2[None, :])
+        if HAS_MASK and MASK_IS_BOOL:  # on P, not the scores: see _dq_tiles
+            pt = tl.where(m != 0, pt, 0.0)
         dpt = _dot(v, tl.trans(do), PRECISION, DOT_IN_FP32)
         pt_used = pt
         if DROPOUT:  # the forward's mask again: 0 or 1 / (1 - dropout_p) per entry
@@ -828,6 +856,8 @@ def _dq_tiles(
     delta = rowsum(P ∘ dP) (for the float-mask gradient: rowsum(dO ∘ O) from the rounded O
     is off by the output's rounding, 5x the rule's bound in bf16). With MASK_GRAD, dS is also
     written into the dense fp32 score-gradient buffer (each element once)."""
+    if HAS_MASK:
+        lo, hi = _tile_start(lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -837,13 +867,23 @@ def _dq_tiles(
         kt = tl.load(K_head + col_ptr * sk_t + d[:, None], mask=k_keep, other=0.0)
         v_keep = tl.trans(_key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL))
         vt = tl.load(V_head + col_ptr * sv_t + dv[:, None], mask=v_keep, other=0.0)
+        qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
+        m = 0.0
+        if HAS_MASK:  # rows past the end read the last row's mask (their dq is not stored)
+            m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :],
+                           q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL)  # fmt: skip
         s, t = _tile_scores(
-            _dot(q, kt, PRECISION, DOT_IN_FP32), rows[:, None], cols[None, :], b, h, q_len,
-            k_len, offset, slope2, scale, softcap, window_left, window_right,
-            MASK, KPM, sm_b, sm_h, sm_q, sm_k, skp_b, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
+            qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
+            window_left, window_right, m, KPM, skp_b, HAS_MASK and not MASK_IS_BOOL,
+            MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
+            INTERPRETED, PRECISION,
         )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])
+        if HAS_MASK and MASK_IS_BOOL:
+            # a hidden key's P is 0 either way; selected here rather than in the scores, the
+            # scale and the row's log-sum-exp stay one FFMA (sm_90, D=128: dq 521 -> 423
+            # instructions per iteration with a bool mask)
+            p = tl.where(m != 0, p, 0.0)
         dp = _dot(do, vt, PRECISION, DOT_IN_FP32)
         if DROPOUT:
             dp = dp * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
