@@ -10,8 +10,10 @@
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
 # tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-cuda-bwd (the CUDA
 # attention's fused backward against its two-kernel one, ~60 s), tune-norms (the Triton
-# LayerNorm/RMSNorm/softmax warp counts and backward row paths) and profile-norms (where the
-# Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host).
+# LayerNorm/RMSNorm/softmax warp counts and backward row paths), profile-norms (where the
+# Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host) and
+# tune-triton-masks (the Triton kernels with a dense bool or float attn_mask, ~3 x 26
+# candidates: the masked loops reshaped without a GPU; CSV under masks/).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -114,6 +116,8 @@ step gpu-tests 300 gpu_tests
 step bench-attention 200 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
   --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
+step tune-triton-masks 180 $PYTHON scripts/tune_triton_attention.py --cases d128m,d128cm,d128cmf \
+  --out "$out_dir/masks" --jobs 16
 if [[ $steps == *" bench-norms "* ]] && ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
   $PYTHON -m pip install --no-deps --no-index .whl/liger_kernel-*.whl || true
 fi

@@ -6,6 +6,9 @@
 shipped rows against d128c's say what the softcap costs per kernel. `--cases d128w` is D=128
 causal with a 1024-key sliding window (Mistral's layout): the merged dK/dV loops were timed on
 causal only, and the window's merged loop spilled a little more in the sm_90 screen.
+`--cases d128m,d128cm,d128cmf` are D=128 with a dense (B, 1, T, T) attn_mask, bool (90 % kept)
+or bf16, without and with causal (the benchmark's `dense` rows): the masked loops the sm_90
+screen reshaped (attention_triton_mask_loops.csv), the pipelined forward with a mask included.
 
 For each kernel (fwd, dq, dkdv) and each candidate tiling (the shipped one first), at the
 H200 comparison points (bf16, B=4, H=16, T=4096; D=128 and 64, causal and not): the kernel's
@@ -42,10 +45,14 @@ CANDIDATES = {
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x128w8s2m",
              "64x64w4s2m"],
 }  # fmt: skip
-# case: (head dim, causal, softcap, window: keys left of the diagonal, -1 for none)
+# case: (head dim, causal, softcap, window: keys left of the diagonal, -1 for none, attn_mask:
+# None, "bool" or "float")
 CASES = {
-    "d128": (128, False, 0.0, -1), "d128c": (128, True, 0.0, -1), "d64": (64, False, 0.0, -1),
-    "d64c": (64, True, 0.0, -1), "d128cs": (128, True, 50.0, -1), "d128w": (128, True, 0.0, 1024),
+    "d128": (128, False, 0.0, -1, None), "d128c": (128, True, 0.0, -1, None),
+    "d64": (64, False, 0.0, -1, None), "d64c": (64, True, 0.0, -1, None),
+    "d128cs": (128, True, 50.0, -1, None), "d128w": (128, True, 0.0, 1024, None),
+    "d128m": (128, False, 0.0, -1, "bool"), "d128cm": (128, True, 0.0, -1, "bool"),
+    "d128cmf": (128, True, 0.0, -1, "float"),
 }  # fmt: skip
 DEFAULT_CASES = "d128,d128c,d64,d64c"
 B, H, T = 4, 16, 4096
@@ -67,7 +74,8 @@ def tiles(spec: str):
     return Tiles.parse(spec)
 
 
-def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, window=-1):
+def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, window=-1,
+          mask=None):  # fmt: skip
     """Inputs, the forward/backward buffers a shipped-tiles run fills, and launch builders."""
     import torch
 
@@ -78,6 +86,11 @@ def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, win
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, t, h, D, device=device, dtype=dtype).transpose(1, 2)
                    for _ in range(4))  # fmt: skip
+    attn_mask = None  # one mask for every head, as the benchmark's dense rows
+    if mask == "bool":
+        attn_mask = torch.rand(b, 1, t, t, device=device) > 0.1
+    elif mask == "float":
+        attn_mask = torch.randn(b, 1, t, t, device=device, dtype=dtype)
     # the tiles a call on this card gets ("shipped")
     base = attention_config(D, D, device.type == "cuda", elem_bytes=q.element_size(),
                             arch=device_arch(device))  # fmt: skip
@@ -85,8 +98,8 @@ def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, win
     def launch(kernel=None, spec=None):
         cfg = base if spec is None else dataclasses.replace(base, **{kernel: tiles(spec)})
         return TritonAttentionLaunch(
-            q, k, v, None, None, None, None, None, None, 0, 0, window, 0 if causal else -1, False,
-            D**-0.5, softcap, 0.0, None, config=cfg,
+            q, k, v, attn_mask, None, None, None, None, None, 0, 0, window, 0 if causal else -1,
+            False, D**-0.5, softcap, 0.0, None, config=cfg,
         )  # fmt: skip
 
     out = torch.empty(b, t, h, D, device=device, dtype=dtype).transpose(1, 2)
@@ -122,9 +135,9 @@ def compile_one(case: str, kernel: str, spec: str | None) -> str:
     """Child process: compile one candidate into Triton's cache (no timing)."""
     import torch
 
-    D, causal, softcap, window = CASES[case]
+    D, causal, softcap, window, mask = CASES[case]
     bufs, launch = setup(D, causal, torch.device("cuda"), torch.bfloat16, softcap=softcap,
-                         window=window)  # fmt: skip
+                         window=window, mask=mask)  # fmt: skip
     fn, grid, args, constexprs, _ = kernel_call(kernel, launch(kernel, spec), bufs)
     fn.warmup(*args, grid=grid, **constexprs)
     return f"{case} {kernel} {spec or 'shipped'}"
@@ -173,10 +186,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune_triton_attention.csv"
     for case in cases:
-        D, causal, softcap, window = CASES[case]
+        D, causal, softcap, window, mask = CASES[case]
         dtype = torch.bfloat16 if gpu else torch.float32
         shape = (B, H, T) if gpu else (1, 2, 64)
-        bufs, launch = setup(D, causal, device, dtype, shape, softcap, window)
+        bufs, launch = setup(D, causal, device, dtype, shape, softcap, window, mask)
         for kernel, specs in CANDIDATES.items():
             shipped_ms = reference = None
             for spec in [None, *specs]:
