@@ -188,7 +188,8 @@ def test_pipelined_forward_varlen():
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     op = partial(fusedattn.varlen_attention, backend="triton")
     assert_op_kx(op, fusedattn.reference.varlen_attention, tensors,
-                 kwargs=dict(max_seqlen_q=203, max_seqlen_k=310, window_size=(150, -1)),
+                 kwargs=dict(max_seqlen_q=203, max_seqlen_k=310, window_size=(150, -1),
+                             enable_gqa=True),
                  grad_of=("q", "k", "v"))  # fmt: skip
 
 

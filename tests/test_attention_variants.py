@@ -232,7 +232,7 @@ LENGTHS = ([33, 0, 70, 5, 1], [40, 9, 70, 1, 0])
 def check_varlen(backend, dtype, variant):
     q, k, v, cu_q, cu_k = packed(*LENGTHS, 4, 2, 16, 24, dtype)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    kwargs = dict(max_seqlen_q=max(LENGTHS[0]), max_seqlen_k=max(LENGTHS[1]))
+    kwargs = dict(max_seqlen_q=max(LENGTHS[0]), max_seqlen_k=max(LENGTHS[1]), enable_gqa=True)
     grad_of = ALL
     for name, value in variant.items():
         if name == "alibi":
@@ -262,7 +262,7 @@ def test_varlen_lse_layout_and_sequences_never_read_each_other():
     kp, vp = k.clone(), v.clone()
     kp[cu_k[2] : cu_k[3]] = float("nan")  # the third sequence's keys
     vp[cu_k[2] : cu_k[3]] = float("nan")
-    args = (cu_q, cu_k, max(LENGTHS[0]), max(LENGTHS[1]))
+    args = (cu_q, cu_k, max(LENGTHS[0]), max(LENGTHS[1]), 0.0, False, None, True)
     out, lse = fusedattn.varlen_attention(q, kp, vp, *args, return_lse=True, backend="triton")
     others = torch.cat([torch.arange(cu_q[2]), torch.arange(cu_q[3], cu_q[-1])])
     assert torch.isfinite(out[others]).all() and lse.shape == (4, cu_q[-1])
@@ -409,6 +409,42 @@ def test_bad_varlen_arguments_get_clear_errors():
             fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k.cpu(), 4, 3, backend=backend)
     with pytest.raises(ValueError, match="B \\+ 1"):
         fusedattn.varlen_attention(*args, cu_q.cpu(), cu_k[:2].cpu(), 4, 4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=kernels)])
+def test_varlen_takes_enable_gqa_by_keyword_and_by_position_as_attention_does(backend):
+    """Issue #31 item 1: the documented signature lists enable_gqa after scale; Hq != Hkv
+    needs it, as in fusedattn.attention (SDPA's rule)."""
+    q, k, v, cu_q, cu_k = packed([5, 3], [4, 6], 4, 2, 8, 8, torch.float32)
+    args = (q, k, v, cu_q, cu_k, 5, 6)
+    want = reference.varlen_attention(*(t.double() for t in args[:3]), *args[3:],
+                                      enable_gqa=True)  # fmt: skip
+    by_keyword = fusedattn.varlen_attention(*args, enable_gqa=True, backend=backend)
+    by_position = fusedattn.varlen_attention(*args, 0.0, False, None, True, backend=backend)
+    for out in (by_keyword, by_position):
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        fusedattn.varlen_attention(*args, backend=backend)
+    same = packed([5, 3], [4, 6], 2, 2, 8, 8, torch.float32)
+    fusedattn.varlen_attention(*same, 5, 6, enable_gqa=True, backend=backend)  # MHA: accepted
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=kernels)])
+def test_varlen_with_no_sequences_stays_connected_to_autograd(backend):
+    """Issue #31 item 6: cu_seqlens = [0] (no sequences): an empty output that backward()
+    runs through, with empty gradients, in every backend."""
+    q, k, v, cu_q, cu_k = packed([], [], 4, 2, 8, 8, torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    kw = dict(enable_gqa=True, backend=backend)
+    if backend != "torch":
+        kw["return_lse"] = True
+    res = fusedattn.varlen_attention(*leaves, cu_q, cu_k, 0, 0, **kw)
+    out = res[0] if backend != "torch" else res
+    assert out.shape == (0, 4, 8) and out.requires_grad
+    if backend != "torch":
+        assert res[1].shape == (4, 0)
+    out.sum().backward()
+    assert [t.grad.shape for t in leaves] == [(0, 4, 8), (0, 2, 8), (0, 2, 8)]
 
 
 @kernels

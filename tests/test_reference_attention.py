@@ -259,7 +259,8 @@ def test_varlen_matches_each_sequence_padded_into_a_batch():
     k = torch.randn(sum(lengths_k), 2, 8, dtype=F64)
     v = torch.randn(sum(lengths_k), 2, 6, dtype=F64)
     kw = dict(is_causal=True, causal_alignment="bottom_right", window_size=(3, -1))
-    out, lse = reference.varlen_attention(q, k, v, cu_q, cu_k, 7, 7, return_lse=True, **kw)
+    out, lse = reference.varlen_attention(q, k, v, cu_q, cu_k, 7, 7, enable_gqa=True,
+                                        return_lse=True, **kw)  # fmt: skip
     assert out.shape == (15, 4, 6) and lse.shape == (4, 15)
     # Pad every sequence to (B, H, 7, D) and hide the padding keys; each sequence's own
     # bottom-right offset comes from an explicit per-sequence mask.

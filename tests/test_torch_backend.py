@@ -104,6 +104,28 @@ def test_layer_norm_kx(N, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-12, 1e-5], ids=str)
+def test_layer_norm_constant_and_offset_rows_at_berts_eps(eps, dtype):
+    """Issue #31 item 8: torch's CPU LayerNorm in float16 gave NaN dx and dweight for a
+    constant row at eps=1e-12; half inputs on a CPU are now computed with fp32 statistics.
+    Rows: random, constant (0.5), a large common offset (1000 + noise below the dtype's
+    ulp there), and random again. The weight is small so that the true dx of a constant row
+    (1/sqrt(eps) = 1e6 times dy * weight) fits in float16."""
+    N = 257
+    x = torch.randn(4, N)
+    x[1] = 0.5
+    x[2] = 1000 + torch.randn(N) * 1e-2
+    x = x.to(dtype)
+    assert_op_kx(
+        partial(fusedattn.layer_norm, backend="torch"),
+        reference.layer_norm,
+        dict(x=x, weight=(torch.randn(N) * 1e-4).to(dtype), bias=torch.randn(N).to(dtype)),
+        kwargs=dict(normalized_shape=(N,), eps=eps),
+        grad_of=("x", "weight", "bias"),
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_layer_norm_half_input_with_float32_parameters(dtype):
     """fp32 weight and bias with a half input (what autocast leaves): computed in fp32, output in

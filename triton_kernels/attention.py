@@ -849,7 +849,7 @@ def attention_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq, delta_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
+    dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
     DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap,
     window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
     dropout_p,
@@ -860,10 +860,10 @@ def _dq_tiles(
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """dq contributions of key tiles [lo, hi); with DELTA_PASS only the exact
-    delta = rowsum(P ∘ dP) (for the float-mask gradient: rowsum(dO ∘ O) from the rounded O
-    is off by the output's rounding, 5x the rule's bound in bf16). With MASK_GRAD, dS is also
-    written into the dense fp32 score-gradient buffer (each element once)."""
+    """dq contributions of key tiles [lo, hi); with DELTA_PASS only the row sums of P ∘ dP
+    and of P (delta_sum, p_sum: the exact delta is their quotient, see attention_bwd_dq).
+    With MASK_GRAD, dS is also written into the dense fp32 score-gradient buffer (each
+    element once)."""
     if HAS_MASK:
         lo, hi = _tile_start(lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -897,6 +897,7 @@ def _dq_tiles(
             dp = dp * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
         if DELTA_PASS:
             delta_sum += tl.sum(p * dp, axis=1)
+            p_sum += tl.sum(p, axis=1)
         else:
             ds = p * (dp - delta[:, None])
             if MASK_GRAD:
@@ -905,12 +906,13 @@ def _dq_tiles(
             if SOFTCAP:
                 ds = ds * (1.0 - t * t)
             dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, DOT_IN_FP32)
-    return dq, delta_sum
+    return dq, delta_sum, p_sum
 
 
 @triton.jit
 def attention_bwd_dq(
-    Q, K, V, Out, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, KV_RANGE, SEED, SLOPES, CU_Q, CU_K,
+    Q, K, V, Out, DO, LSE, DELTA, DQ, DMASK, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q,
+    CU_K,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t,
     sdq_b, sdq_h, sdq_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
@@ -922,12 +924,22 @@ def attention_bwd_dq(
     DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False, EXACT_DELTA: tl.constexpr = False,
 ):  # fmt: skip
     """dq of one query block, the backward's first kernel: it also computes the block's
-    delta = rowsum(dO * O) (the softmax-backward correction term) and stores it, laid out as
+    delta (the softmax-backward correction term, rowsum(P ∘ dP)) and stores it, laid out as
     lse, for the dk/dv kernel that runs next (no separate launch for it). With MASK_GRAD also
     dS, the gradient of the float mask, into a dense (B, H, Tq, Tk) fp32 buffer (padded
-    batches only), dq then using delta summed exactly as rowsum(P * dP)."""
+    batches only).
+
+    delta is rowsum(dO ∘ O) from the stored output (flash-attention's choice: no extra pass),
+    or with EXACT_DELTA (the launcher sets it for a float-mask gradient and for fp32 without
+    TF32) rowsum(P ∘ dP) / rowsum(P) from a first pass over the keys, P as this backward
+    recomputes it (the sink's share included). The quotient makes every row of dS sum to 0
+    for the P the backward uses: where one key holds nearly all of a row's mass, dS is a
+    small difference, and rowsum(dO ∘ O) carries the output's rounding (bf16: 2^-9 relative;
+    fp32 at scale 2: dq 3-6x the naive fp32 error, issue #31) or an unnormalised sum the
+    rounding of lse, both larger than that difference."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -951,7 +963,6 @@ def attention_bwd_dq(
     o = tl.load(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :],
                 mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=inb)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
@@ -966,22 +977,27 @@ def attention_bwd_dq(
     if HAS_KPM:
         lo, mid_lo, mid_hi, hi = _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b,
                                                      BLOCK_N)  # fmt: skip
-    if MASK_GRAD:
+    p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if EXACT_DELTA:
         delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # the sink's probability joins the normaliser (its value is 0)
+            p_sum = tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - lse2)
         for part in tl.static_range(3):
             first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
-            dq, delta = _dq_tiles(
-                dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows,
+            dq, delta, p_sum = _dq_tiles(
+                dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows,
                 d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
                 window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D,
                 Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,
                 HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, True, False, PRECISION,
                 DOT_IN_FP32, INTERPRETED, BLOCK_N,
             )  # fmt: skip
+        delta = tl.where(p_sum > 0.0, delta / tl.where(p_sum > 0.0, p_sum, 1.0), 0.0)
+    tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=inb)
     for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
         first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
-        dq, delta = _dq_tiles(
-            dq, delta, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows, d,
+        dq, delta, p_sum = _dq_tiles(
+            dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows, d,
             dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale, softcap,
             window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
             Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,

@@ -141,3 +141,26 @@ def merge_masks(
     if attn_mask.dtype == torch.bool:
         return attn_mask & visible
     return torch.where(visible, attn_mask, float("-inf"))
+
+
+def shift_float_mask(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float attn_mask minus each row's largest entry (over keys), and that shift.
+
+    Softmax does not change when one value is added to a whole row, so attention with the
+    shifted mask is the same function; the lse comes out short by the shift (the caller adds
+    it back). What changes is precision: a row whose every key carries a large offset
+    (`masked_fill(mask == 0, -1e9)`, `finfo(dtype).min`) would otherwise round the scores
+    away in fp32 (ulp 64 at 1e9) and make the kernels' lse-based backward give each key a
+    probability near 1 (dv summing to the row's key count; issue #31). Shifted, such a row
+    is the softmax of its scores, what exact arithmetic gives. Rows whose largest entry is
+    not finite (all -inf, or a +inf) are left alone. The shift is taken detached: softmax's
+    invariance makes its gradient zero. Not for calls with sinks, whose logit does not move
+    with the row (there a large offset only makes the sink win, as it should).
+
+    Returns (shifted mask in attn_mask's dtype and shape, shift of shape attn_mask.shape[:-1]
+    in attn_mask's dtype), or (attn_mask, None) for a bool mask or one with no keys."""
+    if attn_mask.dtype == torch.bool or attn_mask.dim() == 0 or attn_mask.shape[-1] == 0:
+        return attn_mask, None
+    row_max = attn_mask.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    return attn_mask - row_max, row_max.squeeze(-1)

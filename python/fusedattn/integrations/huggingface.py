@@ -144,8 +144,8 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, dropout, causal, window
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (total, H, D) views
     out = varlen_attention(
         q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
-        dropout_p=dropout, is_causal=causal, window_size=window,
-        causal_alignment="bottom_right", **variants,
+        dropout_p=dropout, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1],
+        window_size=window, causal_alignment="bottom_right", **variants,
     )  # fmt: skip
     return out.unsqueeze(0), None
 

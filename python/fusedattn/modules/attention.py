@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..masks import causal_mask
+from ..masks import causal_mask, shift_float_mask
 from ..ops import attention
 from ..reference.attention import attention_scores
 from ..reference.softmax import safe_softmax
@@ -317,7 +317,8 @@ class MultiheadAttention(FusedModule):
         )
         if not need_weights:
             return out, None
-        scores = attention_scores(q, k, attn_mask, is_causal, key_padding_mask=key_padding_mask)
+        mask = None if attn_mask is None else shift_float_mask(attn_mask)[0]  # as the kernels
+        scores = attention_scores(q, k, mask, is_causal, key_padding_mask=key_padding_mask)
         weights = safe_softmax(scores, dim=-1).to(out.dtype)
         return out, weights.mean(dim=1) if average else weights
 

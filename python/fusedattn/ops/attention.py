@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from ..masks import Window, alibi_bias, merge_masks
+from ..checks import check_attention_args, check_varlen_args
+from ..masks import Window, alibi_bias, merge_masks, shift_float_mask
 from . import backends, flash_attention
 from .autocast import apply_autocast
-from .checks import check_attention_args, check_varlen_args
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -147,7 +147,7 @@ def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       **kw):  # fmt: skip
     return reference.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        **_public_window_args(window), **kw,
+        enable_gqa=q.shape[1] != k.shape[1], **_public_window_args(window), **kw,
     )  # fmt: skip
 
 
@@ -200,7 +200,10 @@ def attention(
     alibi_slopes ((Hq,) or (B, Hq) float32), then the float mask. sinks ((Hq,)) adds one
     logit per head to every row's normaliser. Returns out (B, Hq, Tq, Dv), and lse
     (B, Hq, Tq) float32 when return_lse=True. A query that sees no key gives 0 output,
-    0 gradients and lse = -inf (the sink with sinks).
+    0 gradients and lse = -inf (the sink with sinks). A float mask's finite values are
+    finite, however large: without sinks each row is shifted by its largest mask entry
+    before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
+    with -1e9 or finfo.min on every key gives the softmax of its scores.
     """
     cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
     q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
@@ -209,12 +212,19 @@ def attention(
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         causal_alignment=causal_alignment,
     )  # fmt: skip
+    shift = None
+    if attn_mask is not None and sinks is None:  # exact, and a large offset kept exact
+        attn_mask, shift = shift_float_mask(attn_mask)
     inputs = dict(
         q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=float(dropout_p), scale=scale,
         enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
     )  # fmt: skip
-    return backends.select("attention", backend, q.device, inputs).run(**inputs)
+    result = backends.select("attention", backend, q.device, inputs).run(**inputs)
+    if return_lse and shift is not None:
+        out, lse = result
+        return out, lse + shift.float()
+    return result
 
 
 def varlen_attention(
@@ -228,6 +238,7 @@ def varlen_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
     *,
     window_size: tuple[int, int] | None = None,
     softcap: float = 0.0,
@@ -239,8 +250,8 @@ def varlen_attention(
 ):
     """Attention over a packed batch of variable-length sequences, no padding computed.
 
-    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) (grouped-query attention
-    when Hq is a multiple of Hkv, as in flash-attention); cu_seqlens_q/k int32
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); grouped-query attention
+    (Hq a multiple of Hkv) with enable_gqa=True, as in `attention`; cu_seqlens_q/k int32
     (B + 1,) prefix sums: sequence b is rows cu[b]:cu[b + 1] (cu[0] = 0, cu[B] = total);
     max_seqlen_q/k bound every sequence's length. The kernels trust cu_seqlens and max_seqlen
     (reading them would cost a device sync): as in flash-attention, a cu_seqlens past the
@@ -254,8 +265,8 @@ def varlen_attention(
     q, k, v = cast["q"], cast["k"], cast["v"]
     window = check_varlen_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-        scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, causal_alignment=causal_alignment,
+        scale, enable_gqa, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
     inputs = dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -129,6 +129,7 @@ class TritonAttentionLaunch:
         self.scalars = (scale, softcap, window_left, window_right, dropout_p)
         interpreted = not q.is_cuda if interpreted is None else interpreted
         flags = dot_flags(q)
+        self.ieee_fp32 = q.dtype == torch.float32 and flags["PRECISION"] == "ieee"
         if not interpreted:
             flags["DOT_IN_FP32"] = False
         self.flags = dict(
@@ -211,12 +212,18 @@ class TritonAttentionLaunch:
     def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad):
         args = (
             q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.kv_range,
-            self.seed, self.slopes,
+            self.seed, self.slopes, self.sinks,
             self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(out), *self.strides(do), *self.strides(dq), *self.lse_strides,
             *self.mask_strides,
             self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
             self.query_blocks("dq"), *self.scalars,
         )  # fmt: skip
-        constexprs = dict(MASK_GRAD=mask_grad, **self.flags, **self.tiles("dq"))
+        # the exact delta (attention_bwd_dq) where the output's rounding would show: a float
+        # mask's gradient, and fp32 without TF32 (not a speed path: its dots run on FMA units)
+        exact_delta = mask_grad or self.ieee_fp32
+        constexprs = dict(
+            MASK_GRAD=mask_grad, HAS_SINKS=self.sinks is not None, EXACT_DELTA=exact_delta,
+            **self.flags, **self.tiles("dq"),
+        )  # fmt: skip
         return (self.B * self.H * self.query_blocks("dq"),), args, constexprs

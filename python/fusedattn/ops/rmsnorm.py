@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
+from ..checks import check_rms_norm_args
 from . import backends, norm_kernels, rowwise
 from .autocast import apply_autocast
-from .checks import check_rms_norm_args
 
 
 def _torch_rms_norm(x, normalized_shape, weight, eps):

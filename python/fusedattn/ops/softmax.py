@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .. import reference
+from ..checks import check_softmax_args
 from ..masks import causal_mask
 from . import backends, rowwise
 from .autocast import apply_autocast
-from .checks import check_softmax_args
 
 
 def _torch_softmax(x, dim, mask, scale, is_causal):

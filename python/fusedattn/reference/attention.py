@@ -15,8 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks
-from ..ops.checks import check_attention_args, check_varlen_args
+from ..checks import check_attention_args, check_varlen_args
+from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask
 from .softmax import safe_softmax
 
 
@@ -80,7 +80,9 @@ def attention(
 
     With sinks, each head's sink logit joins the row's normaliser (a column whose value is
     0). A query row with no visible key gives 0 output, 0 gradients and lse = -inf (the sink
-    with sinks).
+    with sinks). Without sinks a float mask is shifted per row by its largest entry first
+    (masks.shift_float_mask: the same function, computed without rounding a large common
+    offset away; the lse gets the shift back), as every backend does.
     """
     window = check_attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
@@ -90,6 +92,9 @@ def attention(
     if key_padding_mask is not None:  # a padded key never contributes, even a NaN in it
         pad = key_padding_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # k too: dq sums dS * k
+    shift = None
+    if attn_mask is not None and sinks is None:
+        attn_mask, shift = shift_float_mask(attn_mask)
     scores = attention_scores(
         q, k, attn_mask, scale=scale, key_padding_mask=key_padding_mask, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes,
@@ -104,22 +109,23 @@ def attention(
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     out = torch.matmul(probs.to(v.dtype), expand_kv_heads(v, q.shape[1]))
-    if return_lse:
-        return out, log_sum_exp(scores)
-    return out
+    if not return_lse:
+        return out
+    lse = log_sum_exp(scores)
+    return out, lse if shift is None else lse + shift.float()
 
 
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-    is_causal=False, scale=None, *, window_size=None, softcap=0.0, alibi_slopes=None,
+    is_causal=False, scale=None, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None,
     sinks=None, causal_alignment="top_left", return_lse=False,
 ):  # fmt: skip
     """Packed variable-length attention, one sequence at a time through `attention`; see
     `fusedattn.varlen_attention`. Returns (total_q, Hq, Dv) [, lse (Hq, total_q) fp32]."""
     check_varlen_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-        scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, causal_alignment=causal_alignment,
+        scale, enable_gqa, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -161,8 +167,11 @@ def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         if return_lse:
             lses.append(lse[0])
     Hq, Dv = q.shape[1], v.shape[-1]
-    out = torch.cat(outs) if outs else q.new_zeros(0, Hq, Dv)
-    if not return_lse:
-        return out
-    lse = torch.cat(lses, dim=-1) if lses else q.new_zeros(Hq, 0, dtype=torch.float32)
-    return out, lse
+    if not outs:  # no sequence: a batch of 0 through the dense op, so autograd sees the inputs
+        res = dense_attention(*(t.transpose(0, 1)[None, :, :0][:0] for t in (q, k, v)),
+                              alibi_slopes=alibi_slopes, return_lse=return_lse, **kwargs)  # fmt: skip
+        out, lse = res if return_lse else (res, None)
+        outs = [out.reshape(0, Hq, Dv)]
+        lses = [] if lse is None else [lse.reshape(Hq, 0)]
+    out = torch.cat(outs)
+    return (out, torch.cat(lses, dim=-1)) if return_lse else out

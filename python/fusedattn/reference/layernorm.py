@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_layer_norm_args
+from ..checks import check_layer_norm_args
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):

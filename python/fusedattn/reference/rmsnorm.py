@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_rms_norm_args
+from ..checks import check_rms_norm_args
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_softmax_args
 from ..masks import causal_mask
-from ..ops.checks import check_softmax_args
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

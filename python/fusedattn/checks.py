@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..masks import Window, make_window
+from .masks import Window, make_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -212,7 +212,7 @@ def check_attention_args(
 
 def check_varlen_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-    scale, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    scale, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
     causal_alignment="top_left",
 ) -> Window:  # fmt: skip
     """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences); returns the
@@ -234,7 +234,7 @@ def check_varlen_args(
         )
     if D == 0 or v.shape[-1] == 0:
         raise ValueError("q, k and v must have a head dim of at least 1")
-    check_heads(Hq, Hkv, True)  # grouped-query attention whenever Hq is a multiple of Hkv
+    check_heads(Hq, Hkv, enable_gqa)  # SDPA's rule, as in fusedattn.attention
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, cu, dims=1, layout="(B + 1,) prefix sums")
         if cu.dtype != torch.int32:
@@ -335,3 +335,4 @@ def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
             f"got x {shape_str(x.shape)} and dim={dim}"
         )
     return dim
+

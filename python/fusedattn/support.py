@@ -1,0 +1,229 @@
+"""The support matrix: which backend takes which feature, read off the backends' own refusal
+rules, so the README's table cannot drift from the code.
+
+Each feature is one small call of a public op. The call runs up to dispatch (validation,
+autocast, the float-mask shift) and the inputs it would hand a backend are taken there; each
+backend's refusal function then says whether it takes them. Reasons that depend on the machine
+(device-level ones are never asked; an extension built before an op existed is left out) say
+nothing about the feature, so the table is the same on every machine.
+
+    python -m fusedattn.support                 # print the table and the refusals (markdown)
+    python -m fusedattn.support --update README.md   # rewrite the README's block
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .ops import backends, rowwise
+
+START = "<!-- support-matrix:start (python -m fusedattn.support --update README.md) -->"
+END = "<!-- support-matrix:end -->"
+YES, NO, NONE = "✓", "✗", "—"
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    call: Callable[[], tuple[Callable, tuple, dict]]  # -> (public op, args, kwargs)
+
+
+def _qkv(dtype=torch.bfloat16, D=64, Hq=2, Hkv=2, T=8):
+    return (
+        torch.zeros(1, Hq, T, D, dtype=dtype),
+        torch.zeros(1, Hkv, T, D, dtype=dtype),
+        torch.zeros(1, Hkv, T, D, dtype=dtype),
+    )
+
+
+def _attention(*args_override, **kwargs):
+    def call():
+        qkv = args_override[0] if args_override else _qkv()
+        return ops.attention, tuple(qkv), kwargs
+
+    return call
+
+
+def _packed(**kwargs):
+    def call():
+        q, k, v = (torch.zeros(8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        return ops.varlen_attention, (q, k, v, cu, cu, 5, 5), kwargs
+
+    return call
+
+
+def _norm_input(dtype=torch.bfloat16):
+    return torch.zeros(4, 64, dtype=dtype)
+
+
+def _norm(fn, dtype, *extra, **kwargs):
+    def call():
+        return fn, (_norm_input(dtype), *extra), kwargs
+
+    return call
+
+
+ATTENTION = [
+    Feature("attention, fp16 / bf16", _attention()),
+    Feature("attention, fp32", _attention(_qkv(torch.float32))),
+    Feature("attention, fp64", _attention(_qkv(torch.float64))),
+    Feature("head dim 256", _attention(_qkv(D=256))),
+    Feature("head dim not a multiple of 8 (e.g. 20)", _attention(_qkv(D=20))),
+    Feature("head dim above 256", _attention(_qkv(D=320))),
+    Feature("bool attn_mask", _attention(attn_mask=torch.ones(8, 8, dtype=torch.bool))),
+    Feature("float attn_mask (and its gradient)", _attention(attn_mask=torch.zeros(8, 8))),
+    Feature("key_padding_mask", _attention(key_padding_mask=torch.zeros(1, 8, dtype=torch.bool))),
+    Feature("is_causal (top-left)", _attention(is_causal=True)),
+    Feature(
+        "causal bottom-right (Tq ≠ Tk)",
+        _attention(
+            (torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16), *_qkv()[1:]),
+            is_causal=True,
+            causal_alignment="bottom_right",
+        ),
+    ),
+    Feature("grouped-query attention", _attention(_qkv(Hq=4, Hkv=2), enable_gqa=True)),
+    Feature("sliding window_size", _attention(is_causal=True, window_size=(3, 0))),
+    Feature("softcap", _attention(softcap=30.0)),
+    Feature(
+        "ALiBi, fp32 inputs",
+        _attention(_qkv(torch.float32), alibi_slopes=torch.ones(2), is_causal=True),
+    ),
+    Feature("ALiBi, fp16 / bf16 inputs", _attention(alibi_slopes=torch.ones(2), is_causal=True)),
+    Feature("sinks", _attention(sinks=torch.zeros(2, dtype=torch.bfloat16))),
+    Feature("dropout", _attention(dropout_p=0.1)),
+    Feature("return_lse", _attention(return_lse=True)),
+    Feature("varlen_attention (packed)", _packed()),
+    Feature(
+        "varlen_attention + window, softcap, sinks",
+        _packed(
+            is_causal=True,
+            window_size=(2, 0),
+            softcap=5.0,
+            sinks=torch.zeros(2, dtype=torch.bfloat16),
+        ),
+    ),
+]
+NORMS = [
+    Feature("layer_norm, fp16 / bf16 / fp32", _norm(ops.layer_norm, torch.bfloat16, 64)),
+    Feature("layer_norm, fp64", _norm(ops.layer_norm, torch.float64, 64)),
+    Feature("rms_norm, fp16 / bf16 / fp32", _norm(ops.rms_norm, torch.bfloat16, 64)),
+    Feature(
+        "softmax, masked / causal",
+        _norm(
+            ops.softmax, torch.bfloat16, mask=torch.ones(4, 64, dtype=torch.bool), is_causal=True
+        ),
+    ),
+    Feature(
+        "softmax, float mask with a gradient",
+        _norm(ops.softmax, torch.bfloat16, mask=torch.zeros(4, 64).requires_grad_()),
+    ),
+]
+FEATURES = ATTENTION + NORMS
+
+
+class _Dispatched(Exception):
+    def __init__(self, op: str, inputs: dict):
+        super().__init__(op)
+        self.op, self.inputs = op, inputs
+
+
+def dispatch_inputs(fn: Callable, *args, **kwargs) -> tuple[str, dict]:
+    """(op, inputs) that `fn(*args, **kwargs)` hands its backend, without running one."""
+
+    def stop(op, _backend, _device, inputs):
+        raise _Dispatched(op, inputs)
+
+    original = backends.select
+    backends.select = stop
+    try:
+        fn(*args, **kwargs)
+    except _Dispatched as dispatched:
+        return dispatched.op, dispatched.inputs
+    finally:
+        backends.select = original
+    raise RuntimeError(f"{fn.__name__} returned without dispatching")
+
+
+def _impl_refusals(op: str, backend: str, inputs: dict) -> list[str] | None:
+    impl = backends._REGISTRY[op].get(backend)
+    return None if impl is None else impl.refusals(**inputs)
+
+
+def _environment_reasons() -> set[str]:
+    """Refusals that depend on this machine, not on the call: an extension built before an op
+    existed (that it is not built at all is a device-level reason, never asked here)."""
+    return {r for op in backends.OPS for r in rowwise.extension_op_refusals(op)}
+
+
+def feature_refusals(feature: Feature) -> dict[str, list[str] | None]:
+    """{backend: reasons it refuses the feature ([] = takes it; None = no implementation)}."""
+    fn, args, kwargs = feature.call()
+    op, inputs = dispatch_inputs(fn, *args, **kwargs)
+    environment = _environment_reasons()
+    result = {}
+    for backend in backends.BACKENDS:
+        reasons = _impl_refusals(op, backend, inputs)
+        result[backend] = None if reasons is None else [r for r in reasons if r not in environment]
+    return result
+
+
+def markdown() -> str:
+    """The table (features x backends) and, under it, every refusal with its reason."""
+    header = "| feature | " + " | ".join(backends.BACKENDS) + " |"
+    lines = [header, "|---" * (len(backends.BACKENDS) + 1) + "|"]
+    notes = []
+    for feature in FEATURES:
+        cells = []
+        for backend, reasons in feature_refusals(feature).items():
+            if reasons is None:
+                cells.append(NONE)
+            elif reasons:
+                cells.append(NO)
+                notes.extend(f"- {backend}, {feature.name}: {r}" for r in reasons)
+            else:
+                cells.append(YES)
+        lines.append(f"| {feature.name} | " + " | ".join(cells) + " |")
+    legend = (
+        f"{YES} runs, {NO} refused with a clear error (`auto` picks another backend), "
+        f"{NONE} no implementation."
+    )
+    return "\n".join([*lines, "", legend, "", "Refusals, as the code words them:", "", *notes])
+
+
+def update(path: str) -> bool:
+    """Rewrite the block between START and END in `path`; True if it changed."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    head, sep, rest = text.partition(START)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise ValueError(f"{path} has no support-matrix block ({START} ... {END})")
+    new = f"{head}{START}\n{markdown()}\n{END}{tail}"
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--update", metavar="README", help="rewrite this file's block")
+    args = parser.parse_args(argv)
+    if args.update:
+        changed = update(args.update)
+        print(f"{args.update}: {'updated' if changed else 'already current'}")
+    else:
+        print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
