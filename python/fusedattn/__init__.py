@@ -14,6 +14,7 @@ from .modules import LayerNorm, MultiheadAttention, RMSNorm, Softmax, swap_modul
 from .ops import (
     BackendUnavailableError,
     attention,
+    attention_with_kvcache,
     available_backends,
     layer_norm,
     rms_norm,
@@ -29,6 +30,7 @@ __all__ = [
     "Softmax",
     "__version__",
     "attention",
+    "attention_with_kvcache",
     "available_backends",
     "layer_norm",
     "masks",

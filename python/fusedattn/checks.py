@@ -336,3 +336,105 @@ def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
         )
     return dim
 
+
+def check_kvcache_args(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale, is_causal,
+    window_size, softcap, alibi_slopes, sinks, num_splits,
+) -> tuple[Window, torch.Tensor]:  # fmt: skip
+    """Validate `fusedattn.attention_with_kvcache` (flash-attention's layout: sequence before
+    heads); returns the normalised positional window (bottom-right) and cache_seqlens as an
+    int32 tensor. Reads no tensor values (no device sync)."""
+    check_tensor("q", q, dims=4, layout="(B, Tq, Hq, D)")
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, S, Hkv, D)"
+    check_tensor("k_cache", k_cache, dims=4, layout=cache_layout)
+    check_tensor("v_cache", v_cache, dims=4, layout=cache_layout.replace("D)", "Dv)"))
+    check_float_dtype("q", q)
+    check_same("k_cache", k_cache, "q", q)
+    check_same("v_cache", v_cache, "q", q)
+    B, _, Hq, D = q.shape
+    rows, slots, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache must have q's head dim {D} in its last dimension, got {Dk}")
+    if tuple(v_cache.shape[:3]) != (rows, slots, Hkv):
+        raise ValueError(
+            f"v_cache must match k_cache's {shape_str(k_cache.shape[:3])} in its first three "
+            f"dimensions, got {shape_str(v_cache.shape)}"
+        )
+    if D == 0 or v_cache.shape[-1] == 0:
+        raise ValueError("q, k_cache and v_cache must have a head dim of at least 1")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a unit last stride (it is read and appended to in place; "
+                f"got strides {tuple(t.stride())})"
+            )
+    check_heads(Hq, Hkv, True)  # grouped-query attention whenever Hq is a multiple of Hkv
+    if paged:
+        check_tensor("block_table", block_table, dims=2, layout="(B, max_pages) int32")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.shape[0] != B:
+            raise ValueError(
+                f"block_table must have one row per sequence (B = {B}), got "
+                f"{shape_str(block_table.shape)}"
+            )
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on {q.device}, got {block_table.device}")
+    elif rows < B:
+        raise ValueError(
+            f"k_cache holds {rows} sequences but q has B = {B} (a paged cache needs block_table)"
+        )
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    for name, t in (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
+        if t is None and name == "cache_leftpad":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 tensor of shape (B,) (or an int), got "
+                            f"{type(t).__name__}")  # fmt: skip
+        check_tensor(name, t, dims=1, layout=f"(B,) = ({B},) int32")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.shape[0] != B:
+            raise ValueError(f"{name} must have shape (B,) = ({B},), got {shape_str(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: pass both or neither")
+    if k is not None:
+        check_tensor("k", k, dims=4, layout="(B, Tnew, Hkv, D)")
+        check_tensor("v", v, dims=4, layout="(B, Tnew, Hkv, Dv)")
+        check_same("k", k, "q", q)
+        check_same("v", v, "q", q)
+        want_k = (B, k.shape[1], Hkv, D)
+        want_v = (B, k.shape[1], Hkv, v_cache.shape[-1])
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise ValueError(
+                f"k and v must have shapes {shape_str(want_k)} and {shape_str(want_v)}, got "
+                f"{shape_str(k.shape)} and {shape_str(v.shape)}"
+            )
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int (0 = chosen per call), got {num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 = chosen per call), got {num_splits}")
+    check_bool("is_causal", is_causal)
+    check_scale(scale)
+    check_attention_variants(
+        window_size, softcap, alibi_slopes, sinks, "bottom_right",
+        batch=B, heads=Hq, device=q.device,
+    )  # fmt: skip
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, sinks=sinks,
+                   alibi_slopes=alibi_slopes)  # fmt: skip
+    grads = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and grads:
+        raise ValueError(
+            f"attention_with_kvcache is inference only and has no backward, but "
+            f"{', '.join(grads)} require grad with grad mode on: call it under torch.no_grad() "
+            "or torch.inference_mode()"
+        )
+    # bottom-right, and kept so even when Tq equals the key count (lengths differ per sequence)
+    window = make_window(is_causal, window_size, "bottom_right", None, None, alibi=False)
+    return window, cache_seqlens

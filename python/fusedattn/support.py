@@ -111,6 +111,31 @@ ATTENTION = [
         ),
     ),
 ]
+def _decode(dtype=torch.bfloat16, paged=False, **kwargs):
+    def call():
+        q = torch.zeros(2, 1, 4, 64, dtype=dtype)
+        shape = (5, 16, 2, 64) if paged else (2, 32, 2, 64)
+        cache = torch.zeros(shape, dtype=dtype)
+        table = dict(block_table=torch.zeros(2, 2, dtype=torch.int32)) if paged else {}
+        kw = dict(cache_seqlens=20, **table, **kwargs)
+        return ops.attention_with_kvcache, (q, cache, cache), kw
+
+    return call
+
+
+DECODE = [
+    Feature("attention_with_kvcache, contiguous cache", _decode()),
+    Feature("attention_with_kvcache, paged cache", _decode(paged=True)),
+    Feature(
+        "decode + window, sinks",
+        _decode(is_causal=True, window_size=(8, 0), sinks=torch.zeros(4, dtype=torch.bfloat16)),
+    ),
+    Feature(
+        "decode + ALiBi, fp32", _decode(torch.float32, alibi_slopes=torch.ones(4), is_causal=True)
+    ),
+    Feature("decode + softcap", _decode(softcap=30.0)),
+    Feature("decode + return_lse", _decode(return_lse=True)),
+]
 NORMS = [
     Feature("layer_norm, fp16 / bf16 / fp32", _norm(ops.layer_norm, torch.bfloat16, 64)),
     Feature("layer_norm, fp64", _norm(ops.layer_norm, torch.float64, 64)),
@@ -126,7 +151,7 @@ NORMS = [
         _norm(ops.softmax, torch.bfloat16, mask=torch.zeros(4, 64).requires_grad_()),
     ),
 ]
-FEATURES = ATTENTION + NORMS
+FEATURES = ATTENTION + DECODE + NORMS
 
 
 class _Dispatched(Exception):

@@ -2,6 +2,7 @@
 
 from .attention import attention, varlen_attention
 from .backends import BackendUnavailableError, available_backends
+from .decode import attention_with_kvcache
 from .layernorm import layer_norm
 from .rmsnorm import rms_norm
 from .softmax import softmax
@@ -9,6 +10,7 @@ from .softmax import softmax
 __all__ = [
     "BackendUnavailableError",
     "attention",
+    "attention_with_kvcache",
     "available_backends",
     "layer_norm",
     "rms_norm",

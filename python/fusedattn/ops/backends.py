@@ -21,7 +21,14 @@ from . import extension as extension_loader
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
 ENV_VAR = "FUSEDATTN_BACKEND"
-OPS = ("attention", "varlen_attention", "layer_norm", "rms_norm", "softmax")
+OPS = (
+    "attention",
+    "varlen_attention",
+    "attention_with_kvcache",
+    "layer_norm",
+    "rms_norm",
+    "softmax",
+)
 
 # `auto`'s default order, by device and op, for calls the routing table (ops/auto.py, built
 # from the benchmark CSVs) has no measurement for. On CPU torch's own ops are the fastest
@@ -30,8 +37,13 @@ OPS = ("attention", "varlen_attention", "layer_norm", "rms_norm", "softmax")
 # default: a kernel backend goes ahead of it only in the buckets where a committed GPU
 # benchmark shows it faster; otherwise the kernel backends serve what torch refuses
 # (return_lse, softcap) and FUSEDATTN_BACKEND.
+# Decoding is the exception: the torch backend gathers the cache to a dense copy and masks it
+# (SDPA has no paged or per-sequence-length form), so it reads and writes the K/V at least
+# twice where the split-key Triton kernel reads them once: Triton leads until a decode
+# benchmark says otherwise.
 AUTO_ORDER = {
-    "cuda": {op: ("torch", "triton", "cuda", "reference") for op in OPS},
+    "cuda": {op: ("torch", "triton", "cuda", "reference") for op in OPS}
+    | {"attention_with_kvcache": ("triton", "torch", "reference")},
     "cpu": {op: ("torch", "reference") for op in OPS},
 }
 

@@ -1,0 +1,236 @@
+"""`fusedattn.attention_with_kvcache`: validation, the in-place append, backend dispatch, and
+the torch and Triton backends (the reference one is reference/decode.py).
+
+Inference only. The layout is flash-attention's `flash_attn_with_kvcache` (sequence before
+heads), so its callers port by renaming. The append happens here, once, before any backend
+runs; the backends then see sequence b's keys at cache positions
+[cache_leftpad[b], cache_seqlens[b] + Tnew).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import reference
+from ..checks import check_kvcache_args
+from ..masks import NO_WINDOW
+from ..reference.decode import append_to_cache
+from . import backends
+from .attention import _torch_attention, _torch_refusals
+from .attention_launch import dot_flags
+from .flash_attention import MAX_HEAD_DIM
+from .rowwise import KERNEL_DTYPES, kernels, new_output
+
+# ---- reference ------------------------------------------------------------------------------
+
+
+def _reference(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window,
+               softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+    return reference.decode.cached_attention(
+        q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window, softcap,
+        alibi_slopes, sinks, return_lse,
+    )  # fmt: skip
+
+
+# ---- torch: one SDPA call over the cache gathered to (B, Hkv, S, D) ---------------------------
+
+
+def _torch_decode_refusals(*, q, return_lse, softcap, alibi_slopes, sinks, **_inputs):
+    return _torch_refusals(q=q, return_lse=return_lse, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+
+
+def dense_cache(cache: torch.Tensor, block_table, B: int) -> torch.Tensor:
+    """(B, Hkv, capacity, D) view of the first B sequences of a contiguous cache, or the pages
+    of a paged one gathered in block-table order (a copy; entries past a sequence's pages may
+    hold anything, so they are clamped to a valid page and masked by the caller)."""
+    if block_table is None:
+        return cache[:B].transpose(1, 2)
+    pages = block_table.long().clamp(0, cache.shape[0] - 1)
+    gathered = cache[pages]  # (B, max_pages, page_size, Hkv, D)
+    return gathered.flatten(1, 2).transpose(1, 2)
+
+
+def visible_keys(seqlens_k, cache_leftpad, Tq: int, capacity: int, window):
+    """((B, 1, Tq, capacity) bool: query i of sequence b may see cache position j, (B, Tq, 1)
+    its position L_b - Tq + i), on the device (no sync)."""
+    j = torch.arange(capacity, device=seqlens_k.device)
+    end = seqlens_k.long()[:, None, None]  # (B, 1, 1)
+    start = 0 if cache_leftpad is None else cache_leftpad.long()[:, None, None]
+    pos = end - Tq + torch.arange(Tq, device=seqlens_k.device)[None, :, None]  # (B, Tq, 1)
+    keep = (j >= start) & (j < end)
+    if window.right >= 0:
+        keep = keep & (j <= pos + window.right)
+    if window.left >= 0:
+        keep = keep & (j >= pos - window.left)
+    return keep[:, None], pos
+
+
+def _torch(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window, softcap,
+           alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+    """SDPA over the whole cache capacity with one (B, 1 or Hq, Tq, capacity) mask: the positions
+    of each sequence differ, so they go in the mask (ALiBi as a float bias)."""
+    B, Tq = q.shape[:2]
+    keys, values = dense_cache(k_cache, block_table, B), dense_cache(v_cache, block_table, B)
+    keep, pos = visible_keys(seqlens_k, cache_leftpad, Tq, keys.shape[2], window)
+    padding = ~keep.any(dim=2)[:, 0]  # (B, capacity): keys no query sees, zero-filled by SDPA's
+    mask = keep
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.reshape(-1 if alibi_slopes.dim() == 2 else 1, q.shape[2], 1, 1)
+        j = torch.arange(keys.shape[2], device=q.device)
+        bias = -slopes * (pos[:, None] - j).abs().to(slopes.dtype)  # (B or 1, Hq, Tq, cap)
+        mask = bias.masked_fill(~keep, float("-inf"))
+    out = _torch_attention(
+        q.transpose(1, 2), keys, values, mask, 0.0, scale, q.shape[2] != keys.shape[1], padding,
+        NO_WINDOW, 0.0, None, sinks, False,
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+# ---- triton ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+INTERPRETER_SMS = 4  # what the CPU interpreter pretends to have, so num_splits=0 splits there
+
+
+def _triton_refusals(*, q, k_cache, v_cache, alibi_slopes=None, **_inputs) -> list[str]:
+    reasons = []
+    if q.dtype not in KERNEL_DTYPES:
+        reasons.append(
+            f"the Triton decode kernel takes float16, bfloat16 and float32, got {q.dtype}"
+        )
+    D, Dv = q.shape[-1], v_cache.shape[-1]
+    if max(D, Dv) > MAX_HEAD_DIM:
+        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={Dv}")
+    return reasons
+
+
+def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window, softcap,
+            alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+    K = kernels("decode")
+    B, Tq, Hq, D = q.shape
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
+    group = Hq // Hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    scale = D**-0.5 if scale is None else float(scale)
+    out = new_output((B, Tq, Hq, Dv), q.dtype, q.device)
+    lse = new_output((B, Hq, Tq), torch.float32, q.device)
+    if out.numel() == 0:
+        return (out, lse) if return_lse else out
+    cfg = K.decode_config(group * Tq, D, Dv, q.is_cuda)
+    m_blocks = -(-group * Tq // cfg.block_m)
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if num_splits == 0:
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else INTERPRETER_SMS
+        num_splits = K.choose_splits(B * Hkv * m_blocks, capacity, sms, cfg.block_n)
+    split = num_splits > 1
+    part_o = part_lse = None
+    if split:
+        part_o = torch.empty((B, Hkv, num_splits, group * Tq, Dv), dtype=torch.float32,
+                             device=q.device)  # fmt: skip
+        part_lse = torch.empty((B, Hkv, num_splits, group * Tq), dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+    flags = dot_flags(q)
+    interpreted = not q.is_cuda
+    if not interpreted:
+        flags["DOT_IN_FP32"] = False
+    slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+    sinks = None if sinks is None else sinks.contiguous()
+    block_table_arg = block_table.contiguous() if paged else None
+    k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
+    grid = (B * Hkv * m_blocks * num_splits,)
+    K.attention_decode[grid](
+        q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, cache_leftpad,
+        block_table_arg, slopes, sinks, *q.stride()[:3], *k_strides, *v_strides,
+        *out.stride()[:3], block_table_arg.stride(0) if paged else 0,
+        Hq if slopes is not None and slopes.dim() == 2 else 0,
+        Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
+        window.right, HAS_LEFTPAD=cache_leftpad is not None, PAGED=paged,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=window.left >= 0,
+        HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0, HAS_ALIBI=slopes is not None,
+        HAS_SINKS=sinks is not None, SPLIT=split, INTERPRETED=interpreted, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split:
+        K.decode_combine[(B * Tq * Hq,)](
+            part_o, part_lse, out, lse, sinks, *out.stride()[:3], Tq, Hq, Hkv, Dv, group,
+            num_splits, HAS_SINKS=sinks is not None,
+            BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), BLOCK_DV=cfg.block_dv,
+            num_warps=1 if interpreted else 4,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+backends.register("attention_with_kvcache", "reference", _reference, backends.no_refusals)
+backends.register("attention_with_kvcache", "torch", _torch, _torch_decode_refusals)
+backends.register("attention_with_kvcache", "triton", _triton, _triton_refusals)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens,
+    block_table: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Attention of a few new queries per sequence over a KV cache (decoding, speculative
+    decoding, chunked prefill); flash-attention's `flash_attn_with_kvcache` layout.
+
+    q (B, Tq, Hq, D). A contiguous cache k_cache (B', S, Hkv, D), v_cache (B', S, Hkv, Dv)
+    with B' >= B (sequence b is row b), or a paged one (num_pages, page_size, Hkv, D) with
+    block_table (B, max_pages) int32: page p of sequence b is k_cache[block_table[b, p]]; any
+    page size from 1. Any strides with a unit last stride (Hugging Face's (B, Hkv, S, D) cache
+    passed as .transpose(1, 2) is read in place).
+
+    cache_seqlens: int32 (B,) or an int; cache_leftpad: int32 (B,) or None (0). With k, v
+    (B, Tnew, Hkv, D[v]) they are first written into the cache in place at positions
+    cache_seqlens[b] .. + Tnew - 1 (nothing else in the cache is written; the caller advances
+    cache_seqlens and guarantees the room). Sequence b's keys are then positions
+    cache_leftpad[b] .. L_b - 1, L_b = cache_seqlens[b] + Tnew, and query i sits at position
+    L_b - Tq + i for is_causal, window_size and alibi_slopes (bottom-right). softcap, sinks,
+    GQA/MQA, scale and a row that sees no key (0 output, lse -inf or the sink) as in
+    `attention`. num_splits: key splits per (sequence, kv head); 0 picks them per call so
+    that batch 1 fills the GPU; fp32 partials combined in a fixed order (the same inputs give
+    the same bits). Returns out (B, Tq, Hq, Dv) [, lse (B, Hq, Tq) fp32].
+
+    Inference only: refused (ValueError) where autograd would record, i.e. with grad mode on
+    and an input that requires grad; under torch.no_grad() or inference_mode() parameters
+    that require grad (GPT-OSS's sinks) are fine.
+    """
+    window, seqlens = check_kvcache_args(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
+        is_causal, window_size, softcap, alibi_slopes, sinks, num_splits,
+    )  # fmt: skip
+    if k is not None:
+        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
+        seqlens = seqlens + k.shape[1]
+    inputs = dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens, block_table=block_table,
+        cache_leftpad=cache_leftpad, scale=scale, window=window, softcap=float(softcap),
+        alibi_slopes=alibi_slopes, sinks=sinks, num_splits=int(num_splits),
+        return_lse=return_lse,
+    )  # fmt: skip
+    return backends.select("attention_with_kvcache", backend, q.device, inputs).run(**inputs)

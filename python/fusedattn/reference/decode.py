@@ -1,0 +1,97 @@
+"""Naive attention over a KV cache: the plain-torch twin of `fusedattn.attention_with_kvcache`,
+and the cache helpers every backend shares (the in-place append, the gather of one
+sequence's keys through a block table).
+
+One sequence at a time, through the naive `attention` with bottom-right positions: sequence
+b's keys are cache positions cache_leftpad[b] .. L_b - 1 with L_b = cache_seqlens[b] + Tnew,
+and query i of Tq sits at position L_b - Tq + i. It reads the lengths to the host: the
+correctness oracle of the tests, not a fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_kvcache_args
+from .attention import attention
+
+
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Write k, v (B, Tnew, Hkv, D[v]) into the caches at positions cache_seqlens[b] ..
+    cache_seqlens[b] + Tnew - 1 of each sequence, in place (through block_table when paged).
+    Indexed writes on the device: no sync; nothing else in the cache is touched. The caller
+    guarantees the room, as with flash-attention (an index past the cache fails in torch's
+    indexing, or the device asserts)."""
+    B, Tnew = k.shape[:2]
+    if Tnew == 0 or B == 0:
+        return
+    pos = cache_seqlens.long()[:, None] + torch.arange(Tnew, device=k.device)  # (B, Tnew)
+    if block_table is None:
+        rows = torch.arange(B, device=k.device)[:, None].expand(B, Tnew)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+    else:
+        page_size = k_cache.shape[1]
+        page = torch.gather(block_table.long(), 1, pos // page_size)
+        k_cache[page, pos % page_size] = k
+        v_cache[page, pos % page_size] = v
+
+
+def cache_rows(cache: torch.Tensor, block_table, b: int, start: int, end: int) -> torch.Tensor:
+    """Sequence b's cache positions [start, end) as (end - start, Hkv, D) rows."""
+    if block_table is None:
+        return cache[b, start:end]
+    pos = torch.arange(start, end, device=cache.device)
+    page_size = cache.shape[1]
+    return cache[block_table[b].long()[pos // page_size], pos % page_size]
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, cache_leftpad=None,
+    scale=None, is_causal=False, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    num_splits=0, return_lse=False,
+):  # fmt: skip
+    """See `fusedattn.attention_with_kvcache`. num_splits is accepted and has no effect (one
+    pass per sequence). Returns out (B, Tq, Hq, Dv) [, lse (B, Hq, Tq) fp32]."""
+    window, seqlens = check_kvcache_args(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
+        is_causal, window_size, softcap, alibi_slopes, sinks, num_splits,
+    )  # fmt: skip
+    if k is not None:
+        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
+    Tnew = 0 if k is None else k.shape[1]
+    return cached_attention(
+        q, k_cache, v_cache, seqlens + Tnew, block_table, cache_leftpad, scale, window,
+        softcap, alibi_slopes, sinks, return_lse,
+    )  # fmt: skip
+
+
+def cached_attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window,
+                     softcap, alibi_slopes, sinks, return_lse):  # fmt: skip
+    """Attention of q over each sequence's keys [cache_leftpad[b], seqlens_k[b]) (the append
+    done), one sequence at a time."""
+    B, Tq, Hq, _ = q.shape
+    ends = seqlens_k.tolist()
+    starts = [0] * B if cache_leftpad is None else cache_leftpad.tolist()
+    outs, lses = [], []
+    for b in range(B):
+        start, end = starts[b], max(ends[b], starts[b])
+        keys = cache_rows(k_cache, block_table, b, start, end).transpose(0, 1)[None]
+        values = cache_rows(v_cache, block_table, b, start, end).transpose(0, 1)[None]
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        res = attention(
+            q[b : b + 1].transpose(1, 2), keys, values, scale=scale,
+            enable_gqa=Hq != keys.shape[1], window_size=(window.left, window.right),
+            softcap=softcap, alibi_slopes=slopes, sinks=sinks, causal_alignment="bottom_right",
+            return_lse=True,
+        )  # fmt: skip
+        outs.append(res[0].transpose(1, 2))
+        lses.append(res[1])
+    Dv = v_cache.shape[-1]
+    out = torch.cat(outs) if outs else q.new_zeros(0, Tq, Hq, Dv)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses) if lses else q.new_zeros(0, Hq, Tq, dtype=torch.float32)
+    return out, lse

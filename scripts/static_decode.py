@@ -1,0 +1,150 @@
+"""Compile the Triton decode kernel (triton_kernels/decode.py) for Hopper (sm_90) without a GPU
+and print what the compiler made of it: registers, spills, shared memory, how the K/V loads
+were issued (cp.async pipelined into shared memory, and in how many bytes per load), and the
+SASS of the key loop per iteration (issue #32: "loads in 16-byte vectors, no spills, the K/V
+loads pipelined" before any device minute is spent).
+
+Run it in the venv with the GPU machine's versions (torch 2.11, triton 3.6; see
+scripts/static_attention.py), fusedattn installed there:
+
+    python scripts/static_decode.py --tool ../shared/tools/sm90_static.py --csv out.csv
+
+Cases are Llama-3-8B's attention heads (Hq 32, Hkv 8, D 128), bf16, a 32k cache: contiguous,
+paged (page 16 and 256), Tq 1 and 4, one split (output written by the kernel) or several
+(fp32 partials). Each case compiles in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import importlib.util
+import os
+import re
+import sys
+
+HQ, HKV, D, S = 32, 8, 128, 32768
+CASES = {
+    "contiguous_tq1": dict(paged=0, Tq=1, split=True),
+    "contiguous_tq1_nosplit": dict(paged=0, Tq=1, split=False),
+    "contiguous_tq4": dict(paged=0, Tq=4, split=True),
+    "paged16_tq1": dict(paged=16, Tq=1, split=True),
+    "paged256_tq1": dict(paged=256, Tq=1, split=True),
+    "paged16_tq4_causal_window": dict(paged=16, Tq=4, split=True, window=(4095, 0)),
+}
+
+
+def _load_tool(path: str):
+    spec = importlib.util.spec_from_file_location("sm90_static", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.install()
+    return tool
+
+
+def load_widths(ptx: str) -> dict:
+    """How the kernel's global loads were issued: cp.async copies by size in bytes (16 = one
+    16-byte vector per thread), and plain ld.global by vector width."""
+    cp = re.findall(
+        r"cp\.async\.(?:ca|cg)\.shared\.global(?:\.\w+)*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)",
+        ptx,
+    )
+    ld = re.findall(r"ld\.global(?:\.\w+)*?(\.v[248])?\.(?:b|u|f|s)(\d+)\b", ptx)
+    widths = {}
+    for size in cp:
+        key = f"cp.async {int(size, 0)}B"
+        widths[key] = widths.get(key, 0) + 1
+    for vec, bits in ld:
+        n = int(vec[2:]) if vec else 1
+        key = f"ld.global {n * int(bits) // 8}B"
+        widths[key] = widths.get(key, 0) + 1
+    return widths
+
+
+def compile_one(tool_path: str, name: str) -> dict:
+    tool = _load_tool(tool_path)
+    import torch
+
+    from fusedattn.triton_kernels import decode as K
+
+    c = CASES[name]
+    Tq, page = c["Tq"], c["paged"]
+    group = HQ // HKV
+    cfg = K.decode_config(group * Tq, D, D, True)
+    bf16 = dict(dtype=torch.bfloat16)
+    B = 1
+    q = torch.empty(B, Tq, HQ, D, **bf16)
+    if page:
+        kc = torch.empty(B * S // page, page, HKV, D, **bf16)
+        table = torch.empty(B, S // page, dtype=torch.int32)
+    else:
+        kc = torch.empty(B, S, HKV, D, **bf16)
+        table = None
+    out = torch.empty(B, Tq, HQ, D, **bf16)
+    lse = torch.empty(B, HQ, Tq)
+    splits = 33 if c["split"] else 1
+    part_o = torch.empty(B, HKV, splits, group * Tq, D) if c["split"] else None
+    part_lse = torch.empty(B, HKV, splits, group * Tq) if c["split"] else None
+    seqlens = torch.empty(B, dtype=torch.int32)
+    left, right = c.get("window", (-1, -1))
+    args = (
+        q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None,
+        *q.stride()[:3], *kc.stride()[:3], *kc.stride()[:3], *out.stride()[:3],
+        table.stride(0) if page else 0, 0, Tq, HQ, HKV, D, D, group, 1, splits,
+        D**-0.5, 0.0, left, right,
+    )  # fmt: skip
+    constexprs = dict(
+        HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,
+        HAS_RIGHT=right >= 0,
+        SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, SPLIT=c["split"], PRECISION="tf32",
+        DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    compiled = K.attention_decode.warmup(*args, grid=(1,), **constexprs)
+    row = dict(case=name, tiles=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}")
+    row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
+    row["loads"] = "; ".join(f"{k} x{v}" for k, v in sorted(load_widths(compiled.asm["ptx"]).items()))
+    row["loops"] = " | ".join(
+        f"{lp['instructions']} ins int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} "
+        f"mma {lp['HGMMA'] or lp['HMMA']} ldgsts {lp['LDGSTS']} local {lp['LDL+STL']}"
+        for lp in tool.loops(compiled)
+    )
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument(
+        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"of {','.join(CASES)}")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--csv", help="write the rows here too")
+    args = parser.parse_args(argv)
+    rows = []
+    names = args.cases.split(",")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(compile_one, args.tool, n): n for n in names}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                row = future.result()
+            except Exception as exc:  # report and go on
+                row = dict(case=futures[future], error=repr(exc)[:300])
+            rows.append(row)
+            print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.csv:
+        fields = list(dict.fromkeys(k for r in rows for k in r))
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(sorted(rows, key=lambda r: names.index(r["case"])))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Attention over a KV cache in Triton: split-key decoding (flash-decoding) for one to a few
+new queries per sequence, over a contiguous or paged cache.
+
+One program per (sequence, kv head, query block, key split). Its M dimension holds every
+query row of the kv head's group: row r is query i = r // group of head hk * group +
+r % group, so each K/V tile is read from memory once per kv head, not once per query head
+(GQA/MQA decoding reads K/V group times less than one program per query head would).
+Sequence b's keys are cache positions [leftpad_b, L_b), L_b = seqlens_k[b]; query i sits at
+position L_b - Tq + i (bottom-right), and sees key j iff the window allows it. Decoding is
+memory-bound: the time to read each sequence's K/V once at the copy bandwidth is the limit.
+
+With one split the program writes the output and the lse (the sink joined to the row's
+normaliser). With several, each split writes its fp32 partial output (normalised) and its
+log2-sum-exp, and `decode_combine` merges the splits of a row in a fixed order (the same
+inputs give the same bits), the sink joining there. A paged cache is read through
+block_table one key row at a time (any page size from 1), so the same logical tiles, and
+the same bits, come out of a contiguous, a paged and a (B, Hkv, S, D).transpose(1, 2) cache.
+Keys outside [leftpad_b, L_b) are never loaded (a NaN in an unused slot or page never
+reaches the output), and the block table is read only for positions below L_b.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .attention import _dot, _tanh
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_m: int  # query rows (group * Tq, padded) per program
+    block_n: int  # keys per tile
+    block_d: int
+    block_dv: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=256)
+def decode_config(rows: int, D: int, Dv: int, on_gpu: bool) -> DecodeConfig:
+    """Tiles for group * Tq query rows and head dims D/Dv (pure; tested). tl.dot needs 16 rows
+    at least; more than 64 rows (chunked prefill through the cache) take several query
+    blocks. On a GPU: 64 keys per tile (32 past a head dim of 128, to stay in registers), 4
+    warps, 3 stages so two K/V tiles are in flight while one is used (untimed: the decode
+    benchmark decides). The CPU interpreter takes 16-key tiles so that tests cross tiles,
+    pages and splits at small sizes."""
+    bd = max(16, triton.next_power_of_2(D))
+    bdv = max(16, triton.next_power_of_2(Dv))
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if not on_gpu:
+        return DecodeConfig(block_m, 16, bd, bdv, 1, 1)
+    block_n = 64 if max(bd, bdv) <= 128 else 32
+    return DecodeConfig(block_m, block_n, bd, bdv, 4, 3)
+
+
+def choose_splits(programs: int, capacity: int, sm_count: int, block_n: int) -> int:
+    """Key splits per (sequence, kv head, query block) when the caller passes num_splits=0:
+    enough programs for two per SM (batch 1 with 8 kv heads on 132 SMs: 33 splits), each
+    split at least 4 key tiles of the cache's capacity (lengths are on the device: reading
+    them would cost a sync; a split with no keys exits at once), at most 128."""
+    if programs <= 0:
+        return 1
+    wanted = -(-2 * sm_count // programs)
+    useful = max(1, capacity // (4 * block_n))
+    return max(1, min(wanted, useful, 128))
+
+
+@triton.jit
+def _key_rows(BLOCK_TABLE, b, tile, cols, col_ok, sk_b, sk_t, sv_b, sv_t, sbt_b,
+              PAGED: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """64-bit offsets of the tile's key rows in K and V: a contiguous cache's sequence b, one
+    page (ONE_PAGE: one block-table entry), or an entry per key row (any page size; no entry
+    read for a position outside the sequence)."""
+    if ONE_PAGE:
+        page = tl.load(BLOCK_TABLE + b * sbt_b + (tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+        slot = ((tile * BLOCK_N) % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        return page * sk_b + slot * sk_t, page * sv_b + slot * sv_t
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + b * sbt_b + cols // PAGE_SIZE, mask=col_ok, other=0)
+        page = page.to(tl.int64)
+        slot = (cols % PAGE_SIZE).to(tl.int64)
+        return page * sk_b + slot * sk_t, page * sv_b + slot * sv_t
+    return b * sk_b + cols.to(tl.int64) * sk_t, b * sv_b + cols.to(tl.int64) * sv_t
+
+
+@triton.jit
+def _whole_page_tiles(
+    K, V, BLOCK_TABLE, b, hk, tile, seq_end, col_ok, d, dv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    sbt_b, D, Dv, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """(K tile transposed, V tile) of a tile made of whole pages: one block-table entry per
+    page, each page's slots contiguous rows (16-byte loads along the head dim)."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    first = tile * PAGES + tl.arange(0, PAGES)
+    pages = tl.load(BLOCK_TABLE + b * sbt_b + first, mask=first * PAGE_SIZE < seq_end, other=0)
+    pages = pages.to(tl.int64)[:, None, None]
+    slot = tl.arange(0, PAGE_SIZE).to(tl.int64)[None, :, None]
+    ok = tl.reshape(col_ok, (PAGES, PAGE_SIZE))[:, :, None]
+    k = tl.load(K + pages * sk_b + slot * sk_t + hk * sk_h + d[None, None, :],
+                mask=ok & (d < D)[None, None, :], other=0.0)  # fmt: skip
+    v = tl.load(V + pages * sv_b + slot * sv_t + hk * sv_h + dv[None, None, :],
+                mask=ok & (dv < Dv)[None, None, :], other=0.0)  # fmt: skip
+    return tl.trans(tl.reshape(k, (BLOCK_N, BLOCK_D))), tl.reshape(v, (BLOCK_N, BLOCK_DV))
+
+
+@triton.jit
+def attention_decode(
+    Q, K, V, OUT, LSE, PART_O, PART_LSE, SEQLENS_K, LEFTPAD, BLOCK_TABLE, SLOPES, SINKS,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sbt_b, sal_b,
+    Tq, Hq, Hkv, D, Dv, group, num_m_blocks, num_splits, scale, softcap, window_left,
+    window_right,
+    HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """One (sequence b, kv head hk, query block, key split) program. K strides: (sequence,
+    position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
+    (B, Hkv, num_splits, group * Tq, Dv) and PART_LSE (B, Hkv, num_splits, group * Tq) fp32
+    take the partials when SPLIT; otherwise OUT (B, Tq, Hq, Dv) and LSE (B, Hq, Tq).
+
+    PAGE_SIZE is a constexpr: the page and slot of a key are then a shift and a mask (a
+    multiply for other sizes), not a division, and where the page size is a multiple of the
+    key tile each tile reads one block-table entry (sm_90, D=128, page 256: see
+    scripts/static_decode.py)."""
+    pid = tl.program_id(0)
+    split = pid % num_splits
+    rest = pid // num_splits
+    m_blk = rest % num_m_blocks
+    bhk = rest // num_m_blocks
+    b = (bhk // Hkv).to(tl.int64)
+    hk = bhk % Hkv
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_rows = group * Tq
+    row_ok = rows < n_rows
+    qi = rows // group  # query index
+    h = hk * group + rows % group  # query head
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sq_b + qi.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    seq_end = tl.load(SEQLENS_K + b)
+    seq_start = 0
+    if HAS_LEFTPAD:
+        seq_start = tl.load(LEFTPAD + b)
+    pos = seq_end - Tq + qi  # each row's key position (bottom-right)
+    lo = seq_start
+    if HAS_LEFT:  # the first query's window starts here; no row sees a key before it
+        lo = tl.maximum(lo, seq_end - Tq - window_left)
+    hi = seq_end
+    # this split's key tiles: the sequence's tiles cut into num_splits runs of whole tiles
+    first_tile = lo // BLOCK_N
+    n_tiles = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) - first_tile, 0)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    tile_lo = first_tile + split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, first_tile + n_tiles)
+    slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + b * sal_b + h, mask=row_ok, other=0.0) * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS and not SPLIT:  # the sink joins the normaliser (one logit of value 0)
+        m_i = (
+            tl.load(SINKS + h, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        )
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # How a paged cache is read: a tile inside one page takes one block-table entry; a tile of
+    # whole pages takes one entry per page and loads (pages, slots, D) blocks (sm_90, page 16:
+    # 491 instructions per iteration against 781 with an entry per key row; see
+    # scripts/static_decode.py); other page sizes take an entry per key row.
+    ONE_PAGE: tl.constexpr = PAGED and PAGE_SIZE % BLOCK_N == 0
+    WHOLE_PAGES: tl.constexpr = PAGED and not ONE_PAGE and BLOCK_N % PAGE_SIZE == 0
+    for tile in range(tile_lo, tile_hi):
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (cols >= seq_start) & (cols < seq_end)
+        if WHOLE_PAGES:
+            kt, vt = _whole_page_tiles(
+                K, V, BLOCK_TABLE, b, hk, tile, seq_end, col_ok, d, dv, sk_b, sk_t, sk_h, sv_b,
+                sv_t, sv_h, sbt_b, D, Dv, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+            )  # fmt: skip
+        else:
+            k_row, v_row = _key_rows(
+                BLOCK_TABLE, b, tile, cols, col_ok, sk_b, sk_t, sv_b, sv_t, sbt_b, PAGED,
+                ONE_PAGE, PAGE_SIZE, BLOCK_N,
+            )  # fmt: skip
+            kt = tl.load(K + k_row[None, :] + hk * sk_h + d[:, None],
+                         mask=col_ok[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
+        if SOFTCAP:
+            s = _tanh(qk * (scale / softcap), PRECISION, INTERPRETED) * (
+                softcap * 1.4426950408889634
+            )
+        else:
+            s = qk * (scale * 1.4426950408889634)
+        if HAS_ALIBI:
+            s -= slope2[:, None] * tl.abs((pos[:, None] - cols[None, :]).to(tl.float32))
+        keep = col_ok[None, :] & row_ok[:, None]
+        if HAS_RIGHT:
+            keep = keep & (cols[None, :] <= pos[:, None] + window_right)
+        if HAS_LEFT:
+            keep = keep & (cols[None, :] >= pos[:, None] - window_left)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if not WHOLE_PAGES:
+            vt = tl.load(V + v_row[:, None] + hk * sv_h + dv[None, :],
+                         mask=col_ok[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION, DOT_IN_FP32)
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if SPLIT:
+        part = ((b * Hkv + hk) * num_splits + split) * n_rows + rows
+        tl.store(PART_O + part.to(tl.int64)[:, None] * Dv + dv[None, :], out,
+                 mask=row_ok[:, None] & (dv < Dv)[None, :])  # fmt: skip
+        tl.store(PART_LSE + part, lse2, mask=row_ok)
+    else:
+        tl.store(OUT + b * so_b + qi.to(tl.int64)[:, None] * so_t + h[:, None] * so_h + dv[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (dv < Dv)[None, :])  # fmt: skip
+        tl.store(LSE + (b * Hq + h) * Tq + qi, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def decode_combine(
+    PART_O, PART_LSE, OUT, LSE, SINKS, so_b, so_t, so_h, Tq, Hq, Hkv, Dv, group, num_splits,
+    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """One output row (sequence b, query i, head h): the splits' partials merged with their
+    log2-sum-exp weights, summed over the split axis in one fixed order (deterministic, no
+    atomics); the sink joins the normaliser here."""
+    pid = tl.program_id(0)
+    h = pid % Hq
+    bi = pid // Hq
+    qi = bi % Tq
+    b = (bi // Tq).to(tl.int64)
+    hk = h // group
+    row = qi * group + h % group
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    part = ((b * Hkv + hk) * num_splits + s) * (group * Tq) + row
+    lse2 = tl.load(PART_LSE + part, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse2, axis=0)
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse2 - m_safe)  # 0 for a split that saw no key
+    total = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink2 - m_safe)
+    o = tl.load(PART_O + part.to(tl.int64)[:, None] * Dv + dv[None, :],
+                mask=(s < num_splits)[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+    o = tl.where((w > 0.0)[:, None], o, 0.0)  # a split that saw nothing wrote 0, never NaN
+    seen = total > 0.0
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(seen, total, 1.0)
+    tl.store(OUT + b * so_b + qi * so_t + h * so_h + dv, out.to(OUT.dtype.element_ty), mask=dv < Dv)
+    lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,
+                   float("-inf"))  # fmt: skip
+    tl.store(LSE + (b * Hq + h) * Tq + qi, lse)
