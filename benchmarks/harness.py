@@ -311,6 +311,7 @@ def cli(run: Callable, csv_name: str, argv=None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    new_run()
     env = environment()
     out = args.out or REPO / "benchmarks" / "results" / device_slug(env)
     rows = run(args.quick, device, env)
@@ -318,6 +319,12 @@ def cli(run: Callable, csv_name: str, argv=None) -> None:
 
 
 KERNEL_BACKENDS = ("triton", "cuda")
+_ANNOUNCED: set = set()  # (op, backend) pairs already said not to be measured in this run
+
+
+def new_run() -> None:
+    """Start a run: the backends not measured are said again, once."""
+    _ANNOUNCED.clear()
 
 
 def kernel_backends(op: str, device: torch.device) -> list[str]:
@@ -329,7 +336,8 @@ def kernel_backends(op: str, device: torch.device) -> list[str]:
     if device.type == "cpu" and not report["triton"]:
         report["triton"] = ["on the CPU Triton runs in its interpreter: tested, not timed"]
     for b in KERNEL_BACKENDS:
-        if report[b]:
+        if report[b] and (op, b) not in _ANNOUNCED:  # once per run, not once per case
+            _ANNOUNCED.add((op, b))
             print(f"  {op}: fusedattn-{b} not measured: {'; '.join(report[b])}")
     return [b for b in KERNEL_BACKENDS if not report[b]]
 

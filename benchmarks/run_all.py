@@ -4,7 +4,7 @@
                                  [--compare OLD] [--tolerance 0.05] [--no-plots]
 
 Families: attention (incl. a sliding-window and a packed-varlen row), layernorm, rmsnorm,
-softmax, model (tokens/s and peak memory of whole models), demo (a training run, naive vs
+softmax, decode (attention over a KV cache, contiguous and paged, and generate tokens/s), model (tokens/s and peak memory of whole models), demo (a training run, naive vs
 fused). Default: all of them on a GPU; on a CPU all but demo (the demo trains two models for
 700 steps: 1.5 to 7 minutes on 2 cores depending on load; `--only demo` runs it).
 
@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_attention
+import bench_decode
 import bench_demo
 import bench_layernorm
 import bench_model
@@ -42,10 +43,14 @@ FAMILIES = {
     "layernorm": (bench_layernorm.run, "layernorm.csv"),
     "rmsnorm": (bench_rmsnorm.run, "rmsnorm.csv"),
     "softmax": (bench_softmax.run, "softmax.csv"),
+    "decode": (bench_decode.run, "decode.csv"),
     "model": (bench_model.run, "model.csv"),
     "demo": (bench_demo.run, "demo.csv"),
 }
-PLOTS = {"demo": bench_demo.plot}  # families with their own plot; the rest use report.plot
+PLOTS = {
+    "demo": bench_demo.plot,
+    "decode": bench_decode.plot,
+}  # families with their own plot; the rest use report.plot
 
 
 def main(argv=None) -> int:
@@ -64,6 +69,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    harness.new_run()
     env = harness.environment(device)
     env["copy_gbps"] = harness.copy_gbps(device)  # the norms' ceiling, measured in this run
     out = args.out or Path(__file__).resolve().parent / "results" / harness.device_slug(env)

@@ -13,7 +13,8 @@
 # LayerNorm/RMSNorm/softmax warp counts and backward row paths), profile-norms (where the
 # Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host) and
 # tune-triton-masks (the Triton kernels with a dense bool or float attn_mask, ~3 x 26
-# candidates: the masked loops reshaped without a GPU; CSV under masks/).
+# candidates: the masked loops reshaped without a GPU; CSV under masks/) and bench-decode
+# (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -80,7 +81,8 @@ gpu_tests() {
   local rc=0 part=${GPU_TESTS_PART:-0/1}
   PART=$part sharded_pytest triton 11 -m "gpu or kernels" tests/test_attention.py \
     tests/test_attention_tma.py tests/test_attention_variants.py tests/test_empty_inputs.py \
-    tests/test_layernorm.py tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py &
+    tests/test_layernorm.py tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py \
+    tests/test_decode.py &
   local triton=$! cuda=
   # The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.
   if [[ ${part%/*} == 0 ]]; then
@@ -114,6 +116,8 @@ step info 20 $PYTHON -m fusedattn.info
 step gpu-tests 300 gpu_tests
 # 16 cases, ~10 s each on the H100 (compiles included): ~160 s
 step bench-attention 200 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
+  --out "$out_dir"
+step bench-decode 300 $PYTHON benchmarks/run_all.py --quick --no-plots --only decode \
   --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
 step tune-triton-masks 180 $PYTHON scripts/tune_triton_attention.py --cases d128m,d128cm,d128cmf \

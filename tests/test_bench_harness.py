@@ -117,6 +117,26 @@ def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys
     assert "fusedattn-cuda not measured" in text
 
 
+def test_run_all_decode_family_on_the_cpu(tmp_path, capsys):
+    """The decode family (issue #32) on the CPU: the torch backend and the baselines over a
+    contiguous and a paged cache, every row passing the k× check, GB/s of K/V read, and the
+    generate rows in tokens/s; fusedattn's kernels not measured, said once."""
+    import run_all
+
+    assert run_all.main(["--device", "cpu", "--only", "decode", "--out", str(tmp_path)]) == 0
+    rows = harness.read_csv(tmp_path / "decode.csv")
+    decode = [r for r in rows if r["op"] == "decode"]
+    assert decode and all(r["pass"] == "yes" and float(r["gbps"]) > 0 for r in decode)
+    assert {r["mask"] for r in decode} == {"contiguous", "paged16"}
+    assert {r["impl"] for r in decode} >= {"fusedattn-torch", "sdpa", "naive"}
+    generate = [r for r in rows if r["op"] == "generate"]
+    assert {r["impl"] for r in generate} == {"sdpa", "fusedattn"}
+    assert all(float(r["tokens_per_s"]) > 0 for r in generate)
+    text = capsys.readouterr().out
+    assert text.count("attention_with_kvcache: fusedattn-triton not measured") == 1
+    assert (tmp_path / "decode.png").exists()
+
+
 ON_GPU_THE_BENCH_RUNS = pytest.mark.skipif(
     torch.cuda.is_available(), reason="on a GPU the benchmark runs these paths itself"
 )

@@ -14,6 +14,8 @@ from fusedattn.ops import decode as decode_ops
 from fusedattn.testing import assert_close_kx
 
 K = pytest.importorskip("fusedattn.triton_kernels.decode")
+# Tests marked kernels run the Triton kernel: compiled on a GPU machine (tensors made on the
+# default device there, the kernel_device fixture), in the interpreter on a CPU.
 
 
 def make_cache(B, S, Hkv, D, Dv, dtype, layout, page_size=16, fill=None, seed=0):
@@ -21,8 +23,9 @@ def make_cache(B, S, Hkv, D, Dv, dtype, layout, page_size=16, fill=None, seed=0)
     of three layouts: contiguous (B, S, Hkv, D), hf ((B, Hkv, S, D).transpose(1, 2)) or paged
     (pages shuffled, a page table per sequence; spare pages filled with `fill`)."""
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(B, S, Hkv, Dv, generator=g).to(dtype)
+    device = torch.get_default_device()
+    k = torch.randn(B, S, Hkv, D, generator=g, device="cpu").to(device, dtype)
+    v = torch.randn(B, S, Hkv, Dv, generator=g, device="cpu").to(device, dtype)
     if layout == "contiguous":
         return k, v, None
     if layout == "hf":
@@ -30,7 +33,7 @@ def make_cache(B, S, Hkv, D, Dv, dtype, layout, page_size=16, fill=None, seed=0)
         return kh.transpose(1, 2), vh.transpose(1, 2), None
     pages_per_seq = -(-S // page_size)
     num_pages = B * pages_per_seq + 3  # spare pages nobody owns
-    order = torch.randperm(num_pages, generator=g)[: B * pages_per_seq]
+    order = torch.randperm(num_pages, generator=g, device="cpu")[: B * pages_per_seq].to(device)
     block_table = order.view(B, pages_per_seq).to(torch.int32)
     kp = torch.full((num_pages, page_size, Hkv, D), float("nan") if fill is None else fill)
     vp = torch.full((num_pages, page_size, Hkv, Dv), float("nan") if fill is None else fill)
@@ -47,6 +50,8 @@ def run_kx(backend, dtype, *, B=3, S=70, Hq=4, Hkv=2, D=16, Dv=16, Tq=1, layout=
            page_size=16, seqlens=(5, 40, 63), leftpad=None, Tnew=0, num_splits=0,
            return_lse=True, **variants):  # fmt: skip
     torch.manual_seed(1)
+    device = torch.get_default_device()  # VARIANTS' tensors were made at import, on the CPU
+    variants = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in variants.items()}
     q = torch.randn(B, Tq, Hq, D).to(dtype)
     kc, vc, bt = make_cache(B, S, Hkv, D, Dv, dtype, layout, page_size)
     seq = torch.tensor(seqlens[:B], dtype=torch.int32)
@@ -91,6 +96,7 @@ VARIANTS = {
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_triton_every_variant_fp32(name, num_splits):
@@ -98,6 +104,7 @@ def test_triton_every_variant_fp32(name, num_splits):
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("layout,page_size", [("contiguous", 16), ("hf", 16), ("paged", 1),
                                               ("paged", 3), ("paged", 16), ("paged", 32)])  # fmt: skip
 def test_triton_layouts_with_leftpad_append_and_speculative_queries(layout, page_size):
@@ -108,6 +115,7 @@ def test_triton_layouts_with_leftpad_append_and_speculative_queries(layout, page
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_triton_half_precision_every_option_at_once(dtype):
     run_kx("triton", dtype, layout="paged", page_size=5, Tq=2, Tnew=1, leftpad=(1, 0, 3),
@@ -116,6 +124,7 @@ def test_triton_half_precision_every_option_at_once(dtype):
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("Hq,Hkv,D,Dv", [(8, 1, 16, 16), (4, 4, 40, 24), (2, 1, 256, 256)])
 def test_triton_mqa_mha_and_head_dims(Hq, Hkv, D, Dv):
     run_kx("triton", torch.float32, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv, Tq=3, is_causal=True,
@@ -123,6 +132,7 @@ def test_triton_mqa_mha_and_head_dims(Hq, Hkv, D, Dv):
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 def test_triton_many_query_rows_take_several_query_blocks():
     """group * Tq past 64 rows (a chunked prefill through the cache): several query blocks."""
     run_kx("triton", torch.float32, Hq=8, Hkv=2, Tq=20, B=2, seqlens=(50, 64), is_causal=True,
@@ -146,11 +156,13 @@ def test_torch_backend_refuses_what_sdpa_cannot_express():
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 def test_contiguous_paged_and_hf_layouts_give_the_same_bits_for_the_same_split():
     outs = {}
     for layout, page_size in (("contiguous", 16), ("hf", 16), ("paged", 16), ("paged", 5)):
         kc, vc, bt = make_cache(2, 50, 2, 16, 16, torch.bfloat16, layout, page_size)
-        q = torch.randn(2, 2, 4, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 2, 4, 16, generator=g, device="cpu").to(kc.device, torch.bfloat16)
         outs[(layout, page_size)] = fusedattn.attention_with_kvcache(
             q, kc, vc, cache_seqlens=torch.tensor([50, 29], dtype=torch.int32), block_table=bt,
             is_causal=True, num_splits=3, return_lse=True, backend="triton",
@@ -161,6 +173,7 @@ def test_contiguous_paged_and_hf_layouts_give_the_same_bits_for_the_same_split()
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 def test_the_same_call_twice_gives_the_same_bits():
     kc, vc, bt = make_cache(2, 64, 2, 16, 16, torch.bfloat16, "paged", 8)
     q = torch.randn(2, 1, 4, 16).bfloat16()
@@ -173,7 +186,7 @@ def test_the_same_call_twice_gives_the_same_bits():
 @pytest.mark.parametrize(
     "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 )
-def test_nan_in_unused_slots_and_pages_never_leaks(backend):
+def test_nan_in_unused_slots_and_pages_never_leaks(backend, kernel_device):
     """Slots past each sequence, before its left padding, and whole pages nobody owns hold
     NaN (make_cache fills spare pages with NaN); the outputs stay finite."""
     B, S, Hkv, D = 2, 40, 2, 16
@@ -202,7 +215,7 @@ def test_nan_in_unused_slots_and_pages_never_leaks(backend):
     "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 )
 @pytest.mark.parametrize("layout", ["contiguous", "hf", "paged"])
-def test_append_writes_exactly_the_new_positions_in_place(backend, layout):
+def test_append_writes_exactly_the_new_positions_in_place(backend, layout, kernel_device):
     B, S, Hkv, D = 2, 30, 2, 8
     kc, vc, bt = make_cache(B, S, Hkv, D, D, torch.float32, layout, page_size=4, fill=7.0)
     before_k, before_v = kc.clone(), vc.clone()
@@ -232,7 +245,7 @@ def test_append_writes_exactly_the_new_positions_in_place(backend, layout):
 @pytest.mark.parametrize(
     "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 )
-def test_sequences_that_see_no_key_give_zero_and_the_sinks_lse(backend):
+def test_sequences_that_see_no_key_give_zero_and_the_sinks_lse(backend, kernel_device):
     """cache_seqlens 0, left padding up to the end, and queries before the first key
     (bottom-right causal with Tq > L): 0 output; lse -inf, or the sink with sinks."""
     q = torch.randn(3, 3, 2, 8)
@@ -251,6 +264,7 @@ def test_sequences_that_see_no_key_give_zero_and_the_sinks_lse(backend):
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 def test_empty_batch_and_zero_splits_heuristic():
     q = torch.randn(0, 1, 4, 16)
     kc = torch.randn(0, 8, 2, 16)

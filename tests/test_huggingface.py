@@ -9,6 +9,7 @@ from fusedattn.testing import assert_close_kx
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("fusedattn.integrations.huggingface")
+from fusedattn.ops import backends  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +71,9 @@ def test_gpt2_greedy_generation_with_a_kv_cache_matches_sdpa():
     with count_dispatches() as counts:
         got = ours.generate(prompt, **kw)
     assert torch.equal(got, sdpa.generate(prompt, **kw))
-    assert counts[("attention", "torch")] >= 2 * 6  # prefill + decoding steps, two layers
+    # backend="torch" keeps the decoding steps on one SDPA call each (no cache gather)
+    assert counts[("attention", "torch")] == 2 * 6  # prefill + 5 decoding steps, two layers
+    assert counts[("attention_with_kvcache", "torch")] == 0
 
 
 # ---- sliding window (Mistral), softcap (Gemma 2), sinks (GPT-OSS): against HF's eager path ----
@@ -241,3 +244,55 @@ def test_sinks_and_softcap_change_the_result():
     )
     capped, _ = hf.attention_forward(module, q, q, q, None, softcap=1.0, backend="reference")
     assert not torch.allclose(plain, sinks) and not torch.allclose(plain, capped)
+
+
+# ---- generation: decode steps through attention_with_kvcache ----------------------------------
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+
+
+DECODE_MODELS = [llama_config, *VARIANT_MODELS]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("config", DECODE_MODELS, ids=lambda c: c.__name__[:-7])
+def test_greedy_generation_decodes_through_the_kvcache_kernels(config, cache, backend):
+    """Left-padded batch, greedy: the tokens of HF's eager attention, with every decode step
+    of every layer in attention_with_kvcache (Llama; Mistral's window, Gemma 2's softcap and
+    GPT-OSS's sinks, each with sliding-window layers). With the static cache each step reads
+    the keys up to the current length only, never the whole max_cache_len buffer."""
+    eager = eager_twin(config())
+    ours = causal_lm(config(), f"fusedattn-{backend}", eager.state_dict())
+    ids, mask = padded_batch(8)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    lengths = []
+    impls = backends._REGISTRY["attention_with_kvcache"]
+    real = impls[backend]
+
+    def recording(**inputs):
+        lengths.append(int(inputs["seqlens_k"].max()))
+        return real.run(**inputs)
+
+    impls[backend] = backends.Implementation(real.op, real.backend, recording, real.refusals)
+    try:
+        with count_dispatches() as counts:
+            got = ours.generate(ids, **kw)
+    finally:
+        impls[backend] = real
+    assert torch.equal(got, eager.generate(ids, **kw))
+    steps = 5  # 6 new tokens: a prefill, then 5 decode steps
+    assert counts[("attention_with_kvcache", backend)] == 2 * steps
+    assert counts[("attention", backend)] == 2  # the prefill only
+    full = [8 + step for step in range(1, steps + 1) for _ in range(2)]  # per step, per layer
+    assert all(n <= want for n, want in zip(lengths, full, strict=True))  # never the capacity
+    if getattr(config(), "sliding_window", None) is None:
+        assert lengths == full

@@ -101,7 +101,7 @@ def _whole_page_tiles(
     pages = tl.load(BLOCK_TABLE + b * sbt_b + first, mask=first * PAGE_SIZE < seq_end, other=0)
     pages = pages.to(tl.int64)[:, None, None]
     slot = tl.arange(0, PAGE_SIZE).to(tl.int64)[None, :, None]
-    ok = tl.reshape(col_ok, (PAGES, PAGE_SIZE))[:, :, None]
+    ok = tl.reshape(col_ok, (PAGES, PAGE_SIZE))[:, :, None]  # (pages, slots, 1)
     k = tl.load(K + pages * sk_b + slot * sk_t + hk * sk_h + d[None, None, :],
                 mask=ok & (d < D)[None, None, :], other=0.0)  # fmt: skip
     v = tl.load(V + pages * sv_b + slot * sv_t + hk * sv_h + dv[None, None, :],
@@ -112,12 +112,14 @@ def _whole_page_tiles(
 @triton.jit
 def attention_decode(
     Q, K, V, OUT, LSE, PART_O, PART_LSE, SEQLENS_K, LEFTPAD, BLOCK_TABLE, SLOPES, SINKS,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sbt_b, sal_b,
+    KEY_MASK,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sbt_b, sal_b, skm_b,
     Tq, Hq, Hkv, D, Dv, group, num_m_blocks, num_splits, scale, softcap, window_left,
     window_right,
     HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
@@ -125,6 +127,9 @@ def attention_decode(
     position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
     (B, Hkv, num_splits, group * Tq, Dv) and PART_LSE (B, Hkv, num_splits, group * Tq) fp32
     take the partials when SPLIT; otherwise OUT (B, Tq, Hq, Dv) and LSE (B, Hq, Tq).
+    KEY_MASK (HAS_KEY_MASK; internal, the Hugging Face integration's): a (B, capacity) bool
+    row of the positions the sequence's queries may see, holes allowed; keys outside it are
+    neither loaded nor weighed.
 
     PAGE_SIZE is a constexpr: the page and slot of a key are then a shift and a mask (a
     multiply for other sizes), not a division, and where the page size is a multiple of the
@@ -181,6 +186,8 @@ def attention_decode(
     for tile in range(tile_lo, tile_hi):
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (cols >= seq_start) & (cols < seq_end)
+        if HAS_KEY_MASK:
+            col_ok = col_ok & (tl.load(KEY_MASK + b * skm_b + cols, mask=col_ok, other=0) != 0)
         if WHOLE_PAGES:
             kt, vt = _whole_page_tiles(
                 K, V, BLOCK_TABLE, b, hk, tile, seq_end, col_ok, d, dv, sk_b, sk_t, sk_h, sv_b,

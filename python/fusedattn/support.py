@@ -111,6 +111,8 @@ ATTENTION = [
         ),
     ),
 ]
+
+
 def _decode(dtype=torch.bfloat16, paged=False, **kwargs):
     def call():
         q = torch.zeros(2, 1, 4, 64, dtype=dtype)

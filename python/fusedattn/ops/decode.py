@@ -26,11 +26,11 @@ from .rowwise import KERNEL_DTYPES, kernels, new_output
 # ---- reference ------------------------------------------------------------------------------
 
 
-def _reference(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window,
-               softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+def _reference(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale,
+               window, softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
     return reference.decode.cached_attention(
         q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window, softcap,
-        alibi_slopes, sinks, return_lse,
+        alibi_slopes, sinks, return_lse, key_mask=key_mask,
     )  # fmt: skip
 
 
@@ -53,7 +53,7 @@ def dense_cache(cache: torch.Tensor, block_table, B: int) -> torch.Tensor:
     return gathered.flatten(1, 2).transpose(1, 2)
 
 
-def visible_keys(seqlens_k, cache_leftpad, Tq: int, capacity: int, window):
+def visible_keys(seqlens_k, cache_leftpad, key_mask, Tq: int, capacity: int, window):
     """((B, 1, Tq, capacity) bool: query i of sequence b may see cache position j, (B, Tq, 1)
     its position L_b - Tq + i), on the device (no sync)."""
     j = torch.arange(capacity, device=seqlens_k.device)
@@ -61,6 +61,8 @@ def visible_keys(seqlens_k, cache_leftpad, Tq: int, capacity: int, window):
     start = 0 if cache_leftpad is None else cache_leftpad.long()[:, None, None]
     pos = end - Tq + torch.arange(Tq, device=seqlens_k.device)[None, :, None]  # (B, Tq, 1)
     keep = (j >= start) & (j < end)
+    if key_mask is not None:
+        keep = keep & key_mask[:, None, :capacity]
     if window.right >= 0:
         keep = keep & (j <= pos + window.right)
     if window.left >= 0:
@@ -68,13 +70,13 @@ def visible_keys(seqlens_k, cache_leftpad, Tq: int, capacity: int, window):
     return keep[:, None], pos
 
 
-def _torch(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window, softcap,
-           alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+def _torch(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,
+           softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
     """SDPA over the whole cache capacity with one (B, 1 or Hq, Tq, capacity) mask: the positions
     of each sequence differ, so they go in the mask (ALiBi as a float bias)."""
     B, Tq = q.shape[:2]
     keys, values = dense_cache(k_cache, block_table, B), dense_cache(v_cache, block_table, B)
-    keep, pos = visible_keys(seqlens_k, cache_leftpad, Tq, keys.shape[2], window)
+    keep, pos = visible_keys(seqlens_k, cache_leftpad, key_mask, Tq, keys.shape[2], window)
     padding = ~keep.any(dim=2)[:, 0]  # (B, capacity): keys no query sees, zero-filled by SDPA's
     mask = keep
     if alibi_slopes is not None:
@@ -112,8 +114,8 @@ def _triton_refusals(*, q, k_cache, v_cache, alibi_slopes=None, **_inputs) -> li
     return reasons
 
 
-def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window, softcap,
-            alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,
+            softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
     K = kernels("decode")
     B, Tq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
@@ -150,14 +152,16 @@ def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, w
     grid = (B * Hkv * m_blocks * num_splits,)
     K.attention_decode[grid](
         q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, cache_leftpad,
-        block_table_arg, slopes, sinks, *q.stride()[:3], *k_strides, *v_strides,
+        block_table_arg, slopes, sinks, key_mask, *q.stride()[:3], *k_strides, *v_strides,
         *out.stride()[:3], block_table_arg.stride(0) if paged else 0,
         Hq if slopes is not None and slopes.dim() == 2 else 0,
+        0 if key_mask is None else key_mask.stride(0),
         Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
         window.right, HAS_LEFTPAD=cache_leftpad is not None, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=window.left >= 0,
         HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0, HAS_ALIBI=slopes is not None,
-        HAS_SINKS=sinks is not None, SPLIT=split, INTERPRETED=interpreted, **flags,
+        HAS_SINKS=sinks is not None, SPLIT=split, HAS_KEY_MASK=key_mask is not None,
+        INTERPRETED=interpreted, **flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -227,10 +231,44 @@ def attention_with_kvcache(
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
         seqlens = seqlens + k.shape[1]
+    return _dispatch(
+        q, k_cache, v_cache, seqlens, block_table, cache_leftpad, None, scale, window, softcap,
+        alibi_slopes, sinks, num_splits, return_lse, backend,
+    )  # fmt: skip
+
+
+def _dispatch(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale,
+              window, softcap, alibi_slopes, sinks, num_splits, return_lse, backend):  # fmt: skip
     inputs = dict(
-        q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens, block_table=block_table,
-        cache_leftpad=cache_leftpad, scale=scale, window=window, softcap=float(softcap),
-        alibi_slopes=alibi_slopes, sinks=sinks, num_splits=int(num_splits),
-        return_lse=return_lse,
+        q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k, block_table=block_table,
+        cache_leftpad=cache_leftpad, key_mask=key_mask, scale=scale, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks,
+        num_splits=int(num_splits), return_lse=return_lse,
     )  # fmt: skip
     return backends.select("attention_with_kvcache", backend, q.device, inputs).run(**inputs)
+
+
+def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal=False,
+                         window_size=None, softcap=0.0, sinks=None, backend="auto"):  # fmt: skip
+    """One new query per sequence over a cache whose visible positions a (B, S) bool row
+    gives, holes allowed (the last row of Hugging Face's decode-step mask): the keys run from
+    the first visible position to the last, the query sits at the last, and the invisible
+    positions in between are neither read nor weighed. None: every slot is visible. Internal
+    (the Hugging Face integration's); lengths stay on the device (no sync)."""
+    B, S = q.shape[0], k_cache.shape[1]
+    if key_mask is None:
+        seqlens, leftpad = S, None
+    else:
+        index = torch.arange(S, device=q.device, dtype=torch.int32)
+        seqlens = torch.where(key_mask, index + 1, 0).amax(-1).to(torch.int32)
+        leftpad = torch.where(key_mask, index, S).amin(-1).to(torch.int32)
+    window, seqlens = check_kvcache_args(
+        q, k_cache, v_cache, None, None, seqlens, None, leftpad, scale, is_causal,
+        window_size, softcap, None, sinks, 0,
+    )  # fmt: skip
+    if key_mask is not None and tuple(key_mask.shape) != (B, S):
+        raise ValueError(f"key_mask must be (B, S) = ({B}, {S}), got {tuple(key_mask.shape)}")
+    return _dispatch(
+        q, k_cache, v_cache, seqlens, None, leftpad, key_mask, scale, window, softcap, None,
+        sinks, 0, False, backend,
+    )  # fmt: skip

@@ -67,9 +67,9 @@ def attention_with_kvcache(
 
 
 def cached_attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, scale, window,
-                     softcap, alibi_slopes, sinks, return_lse):  # fmt: skip
+                     softcap, alibi_slopes, sinks, return_lse, key_mask=None):  # fmt: skip
     """Attention of q over each sequence's keys [cache_leftpad[b], seqlens_k[b]) (the append
-    done), one sequence at a time."""
+    done), one sequence at a time; key_mask (B, capacity) bool hides more positions."""
     B, Tq, Hq, _ = q.shape
     ends = seqlens_k.tolist()
     starts = [0] * B if cache_leftpad is None else cache_leftpad.tolist()
@@ -81,8 +81,13 @@ def cached_attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad,
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
+        hidden = None if key_mask is None else key_mask[b : b + 1, start:end]
+        if hidden is not None:  # a hidden key never contributes, even a NaN in it
+            keys = keys.masked_fill(~hidden[:, None, :, None], 0.0)
+            values = values.masked_fill(~hidden[:, None, :, None], 0.0)
+            hidden = hidden[:, None, None, :]
         res = attention(
-            q[b : b + 1].transpose(1, 2), keys, values, scale=scale,
+            q[b : b + 1].transpose(1, 2), keys, values, hidden, scale=scale,
             enable_gqa=Hq != keys.shape[1], window_size=(window.left, window.right),
             softcap=softcap, alibi_slopes=slopes, sinks=sinks, causal_alignment="bottom_right",
             return_lse=True,

@@ -1,0 +1,5 @@
+"""Drop-in replacements for other libraries' attention APIs, running fusedattn's kernels.
+
+`fusedattn.compat.flash_attn`: flash-attention 2's `flash_attn_func`, `flash_attn_varlen_func`
+and `flash_attn_with_kvcache`, so a codebase switches by changing its import.
+"""
