@@ -13,7 +13,7 @@ endif
 # sdist round trip test. pip install --no-build-isolation uses the environment's setuptools,
 # so pyproject's build requirements are installed here too (a new venv has setuptools 65).
 RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib transformers build
-BUILD_DEPS := "setuptools>=70.1" wheel
+BUILD_DEPS := "setuptools>=77" wheel
 LINT_DEPS := ruff clang-format
 CSRC := $(shell find csrc -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h')
 # One stamp per Python environment, so a new venv reinstalls. Not under build/: a build/

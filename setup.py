@@ -1,13 +1,17 @@
 """Build script for fusedattn.
 
 Installs the package `fusedattn` from python/fusedattn/ and the Triton kernels from
-triton_kernels/ as `fusedattn.triton_kernels`. When a CUDA build of torch and nvcc are present it
-also compiles the extension `fusedattn._C` from csrc/; otherwise it installs the pure-Python /
-Triton package and says why in one line.
+triton_kernels/ as `fusedattn.triton_kernels`. When a CUDA build of torch, nvcc and a GPU are
+present it also compiles the extension `fusedattn._C` from csrc/ (a few minutes); otherwise it
+installs the pure-Python / Triton package and says why in one line. Without a visible GPU the
+compile is skipped unless asked for: on a 2-core machine with no GPU it took 6 of the 8.5
+minutes of a first `make bench` for a kernel that could not run there.
 
 Environment:
   FUSEDATTN_SKIP_CUDA_BUILD=1   never build fusedattn._C
-  FUSEDATTN_FORCE_CUDA_BUILD=1  build it or fail (CI uses this so a compile error fails the run)
+  FUSEDATTN_FORCE_CUDA_BUILD=1  build it or fail, GPU or not (CI uses this so a compile error
+                                fails the run; also for building images on a machine
+                                without a GPU)
   TORCH_CUDA_ARCH_LIST          archs to compile for; default "8.0;9.0a" (A100 and Hopper)
   MAX_JOBS                      parallel compile jobs (read by torch's ninja build)
   CUDA_HOME                     CUDA toolkit; guessed from nvcc when unset
@@ -45,8 +49,9 @@ def _flag(name: str, environ=os.environ) -> bool:
     return environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def cuda_build_decision(environ=os.environ) -> tuple[bool, str]:
-    """(build?, reason). Pure apart from probing torch and the file system; tested."""
+def cuda_build_decision(environ=os.environ, gpu_visible=None) -> tuple[bool, str]:
+    """(build?, reason). Pure apart from probing torch, the GPU (gpu_visible=None: ask torch)
+    and the file system; tested."""
     if _flag("FUSEDATTN_SKIP_CUDA_BUILD", environ):
         return False, "FUSEDATTN_SKIP_CUDA_BUILD is set"
     try:
@@ -67,6 +72,15 @@ def cuda_build_decision(environ=os.environ) -> tuple[bool, str]:
             else "nvcc was not found"
         )
         return False, f"{where}; set CUDA_HOME to a CUDA toolkit to build fusedattn._C"
+    if not _flag("FUSEDATTN_FORCE_CUDA_BUILD", environ):
+        if gpu_visible is None:
+            gpu_visible = torch.cuda.is_available()
+        if not gpu_visible:
+            return False, (
+                "no CUDA device is visible here, so the compile (minutes) is left for later: "
+                "backend='cuda' builds it on first use on a GPU machine; "
+                "FUSEDATTN_FORCE_CUDA_BUILD=1 builds it now"
+            )
     return True, f"CUDA {torch.version.cuda} toolkit at {cuda_home}"
 
 

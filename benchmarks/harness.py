@@ -357,8 +357,14 @@ def progress(row: dict) -> None:
         if row[c] != ""
     )
     speed = next((f"{row[c]} {unit}" for c, unit in SPEED_UNITS.items() if row[c] != ""), "-")
+    noise = "  NOISY (repeats spread past 25 %: not in the summary)" if is_noisy(row) else ""
     print(
         f"  {row['op']:<10} {row['mode']:<7} {row['impl']:<16} {row['dtype']:<8} {shape:<44} "
-        f"{row['ms']:>9} ms  {speed:>14}  pass={row['pass'][:3] or '-'}",
+        f"{row['ms']:>9} ms  {speed:>14}  pass={row['pass'][:3] or '-'}{noise}",
         flush=True,
     )
+
+
+def is_noisy(row: dict) -> bool:
+    """Whether a row's repeats disagreed (its note says NOISY)."""
+    return "NOISY" in str(row.get("note") or "")

@@ -61,10 +61,18 @@ def compare(new_rows, old_rows, *, tolerance=DEFAULT_TOLERANCE) -> list[Regressi
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    """Best impl per (op, mode) and how it compares with the naive path, one line each."""
+    """Best impl per (op, mode) and how it compares with the naive path, one line each.
+    Noisy rows (repeats spread past 25 %) are left out of the verdicts and counted."""
     lines = []
     groups: dict[tuple, list[dict]] = {}
+    noisy = [r for r in rows if harness.is_noisy(r)]
+    if noisy:
+        lines.append(
+            f"  {len(noisy)} of {len(rows)} rows NOISY (the machine was busy): left out below"
+        )
     for r in rows:
+        if harness.is_noisy(r):
+            continue
         groups.setdefault((r["op"], r["mode"], r["impl"]), []).append(r)
     for (op, mode, impl), rs in sorted(groups.items()):
         key = harness.speed_column(rs)
@@ -106,19 +114,22 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     rows = [
         dict(r, causal=str(r["causal"])) for r in rows if r["mode"] in modes and r[metric] != ""
     ]
-    panels = sorted({(r["mode"], r["D"], r["causal"], r["mask"]) for r in rows})
+    # keyed on op too: the model family's decoder and padded-encoder rows are two ops
+    panels = sorted({(r["op"], r["mode"], r["D"], r["causal"], r["mask"]) for r in rows})
     if not panels:
         return None
+    ops = {p[0] for p in panels}
     cols = min(3, len(panels))
     rows_n = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.6 * rows_n), squeeze=False)
     for ax, panel in zip(axes.flat, panels, strict=False):
-        mode, d, causal, mask = panel
-        subset = [r for r in rows if (r["mode"], r["D"], r["causal"], r["mask"]) == panel]
+        op, mode, d, causal, mask = panel
+        subset = [r for r in rows if (r["op"], r["mode"], r["D"], r["causal"], r["mask"]) == panel]
         for impl in sorted({r["impl"] for r in subset}):
             pts = sorted((int(r[size]), float(r[metric])) for r in subset if r["impl"] == impl)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        title = f"{mode}" + (f" D={d}" if d else "") + (" causal" if causal == "True" else "")
+        title = (f"{op} " if len(ops) > 1 else "") + mode
+        title += (f" D={d}" if d else "") + (" causal" if causal == "True" else "")
         ax.set_title(title + (f" mask={mask}" if mask and mask != "none" else ""), fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(size)
@@ -127,7 +138,8 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"{rows[0]['op']} on {rows[0]['device']} ({rows[0]['dtype']})")
+    family = rows[0]["op"] if len(ops) == 1 else ", ".join(sorted(ops))
+    fig.suptitle(f"{family} on {rows[0]['device']} ({rows[0]['dtype']})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

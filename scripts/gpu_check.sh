@@ -111,6 +111,12 @@ export FUSEDATTN_FORCE_CUDA_BUILD=1 FUSEDATTN_EXPECT_CUDA_BUILD=1
 
 # CSVs only; draw the plots afterwards with `python benchmarks/report.py DIR --plot`, and
 # rebuild auto's table with scripts/build_auto_table.py. The CPU-only tests are CI's job.
+# pyproject's SPDX license string needs setuptools 77; an older one in the image (no network
+# to upgrade it) builds from the table form instead, in this copy of the tree only.
+if ! $PYTHON -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
+  echo "setuptools < 77 here: building with pyproject's license as a table"
+  sed -i 's/^license = "BSD-3-Clause"$/license = { text = "BSD-3-Clause" }/' pyproject.toml
+fi
 step build 150 $PYTHON -m pip install --no-build-isolation --no-deps -e . || exit 1
 step info 20 $PYTHON -m fusedattn.info
 step gpu-tests 300 gpu_tests

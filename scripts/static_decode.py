@@ -105,7 +105,9 @@ def compile_one(tool_path: str, name: str) -> dict:
     compiled = K.attention_decode.warmup(*args, grid=(1,), **constexprs)
     row = dict(case=name, tiles=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}")
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
-    row["loads"] = "; ".join(f"{k} x{v}" for k, v in sorted(load_widths(compiled.asm["ptx"]).items()))
+    row["loads"] = "; ".join(
+        f"{k} x{v}" for k, v in sorted(load_widths(compiled.asm["ptx"]).items())
+    )
     row["loops"] = " | ".join(
         f"{lp['instructions']} ins int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} "
         f"mma {lp['HGMMA'] or lp['HMMA']} ldgsts {lp['LDGSTS']} local {lp['LDL+STL']}"

@@ -180,3 +180,5 @@ def test_info_prints_the_table_in_force():
 
     text = info.auto_table_text()
     assert text.startswith("auto: ") and "other calls: cuda: torch > triton" in text
+    if auto.TABLE:  # each op's rows under a header naming the key's fields
+        assert "mode  " in text and "backends, fastest first" in text

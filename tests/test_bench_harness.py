@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import harness
+import report
 
 
 def test_attention_flops():
@@ -281,3 +282,38 @@ def test_training_demo_rows_and_plot(tmp_path):
     assert max(abs(a - b) for a, b in zip(naive, fused, strict=True)) < 1e-3
     assert {r["mode"] for r in rows} == {"train", "greedy", "beam"}
     assert bench_demo.plot(rows, tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_noisy_rows_are_flagged_where_printed_and_left_out_of_the_summary(capsys):
+    env = dict(device="cpu")
+    quiet = harness.make_row(env, op="softmax", mode="fwd", impl="torch", ms=1.0, gbps=10.0,
+                             spread=0.02)  # fmt: skip
+    loud = harness.make_row(env, op="softmax", mode="fwd", impl="torch", ms=9.0, gbps=900.0,
+                            spread=0.6, note=harness.noisy(0.6).lstrip("; "))  # fmt: skip
+    harness.progress(loud)
+    assert "NOISY" in capsys.readouterr().out
+    lines = report.summarize([quiet, loud])
+    assert lines[0].startswith("  1 of 2 rows NOISY")
+    assert "best    10.000 GB/s" in lines[1] and "1 cases" in lines[1]
+
+
+def test_plot_panels_are_keyed_on_the_op(tmp_path):
+    """model.csv holds a decoder and a padded-encoder op: one panel each, not one for both."""
+    pytest.importorskip("matplotlib")
+    env = dict(device="cpu")
+    rows = [
+        harness.make_row(
+            env,
+            op=op,
+            mode="train",
+            impl=impl,
+            dtype="float32",
+            Tq=T,
+            ms=1.0,
+            tokens_per_s=float(T * (2 if impl == "fused" else 1)),
+        )
+        for op in ("model:tiny-decoder", "model:tiny-encoder-padded")
+        for impl in ("naive", "fused")
+        for T in (64, 128)
+    ]
+    assert report.plot(rows, tmp_path / "model.png").exists()

@@ -39,6 +39,21 @@ def test_no_toolkit_means_a_clean_skip(setup_module_, tmp_path, monkeypatch):
         assert not build and "nvcc" in reason
 
 
+def test_no_gpu_means_no_compile_unless_forced(setup_module_, monkeypatch):
+    """A CUDA torch and nvcc but no GPU (this CPU machine, CI): the minutes of nvcc are skipped
+    with a reason, unless FUSEDATTN_FORCE_CUDA_BUILD=1 asks for them (CI does)."""
+    import torch
+
+    monkeypatch.setattr(setup_module_, "guess_cuda_home", lambda environ=None: "/usr/local/cuda")
+    if torch.version.cuda is None:
+        pytest.skip("torch is a CPU build here: the decision stops before the GPU")
+    build, reason = setup_module_.cuda_build_decision({}, gpu_visible=False)
+    assert not build and "no CUDA device is visible" in reason and "FORCE" in reason
+    forced = {"FUSEDATTN_FORCE_CUDA_BUILD": "1"}
+    assert setup_module_.cuda_build_decision(forced, gpu_visible=False)[0]
+    assert setup_module_.cuda_build_decision({}, gpu_visible=True)[0]
+
+
 def test_cuda_home_is_the_real_toolkit_not_the_wrapper_dir(setup_module_, tmp_path):
     toolkit = tmp_path / "cuda-13.0"
     (toolkit / "bin").mkdir(parents=True)

@@ -197,7 +197,7 @@ def test_reference_transformer_swapped(backend, train, norm_first):
     run_and_compare(Logits(model), lambda: (src, tgt), backend=backend, train=train,
                     expect=("attention", "layer_norm"))  # fmt: skip
     swapped = fusedattn.swap_modules(copy.deepcopy(model))
-    assert not any(type(m).__module__ == "fusedattn.reference.modules" for m in swapped.modules())
+    assert not any(type(m).__module__ == "fusedattn.modules.naive" for m in swapped.modules())
 
 
 def test_only_softmax_swapped_in_the_naive_attention():

@@ -108,8 +108,13 @@ def auto_table_text() -> str:
         mark = " (this GPU)" if cap == here else ""
         for op, keys in sorted(ops.items()):
             lines.append(f"{cap}{mark} {op}:")
-            for key, order in sorted(keys.items(), key=str):
-                lines.append(f"  {' '.join(str(k) for k in key):<48} -> {', '.join(order)}")
+            header = (*auto.KEY_COLUMNS.get(op, ("key",)), "backends, fastest first")
+            rows = [(*map(str, key), ", ".join(order)) for key, order in keys.items()]
+            rows.sort(key=str)
+            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+            for row in [header, *rows]:
+                cells = "  ".join(f"{c:<{w}}" for c, w in zip(row[:-1], widths, strict=True))
+                lines.append(f"  {cells}  {row[-1]}")
     if len(lines) == 1:
         lines.append("no measurements: auto keeps the default order everywhere")
     lines.append("other calls: " + ", ".join(f"{d}: {' > '.join(o['attention'])}"

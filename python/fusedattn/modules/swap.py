@@ -11,10 +11,11 @@ from .softmax import Softmax
 
 
 def _replaced_types():
-    """Exact types replaced: torch's modules and the reference twins (which subclass ours and
-    torch's, so this is looked up at call time). Subclasses that users wrote are left alone:
-    their forward may do more than the base class."""
-    from ..reference import modules as ref
+    """Exact types replaced: torch's modules and the naive twins (fusedattn.modules.naive:
+    they subclass ours, so naive imports this package and is looked up at call time).
+    Subclasses that users wrote are left alone: their forward may do more than the base
+    class."""
+    from . import naive as ref
 
     return {
         "attention": (nn.MultiheadAttention, ref.MultiheadAttention),

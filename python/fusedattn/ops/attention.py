@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from .. import reference
 from ..checks import check_attention_args, check_varlen_args
 from ..masks import Window, alibi_bias, merge_masks, shift_float_mask
+from ..reference.attention import per_sequence
 from . import backends, flash_attention
 from .autocast import apply_autocast
 
@@ -119,8 +120,6 @@ def _torch_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, window,
     return_lse, **kw,
 ):  # fmt: skip
-    from ..reference.attention import per_sequence  # (reference imports ops: import late)
-
     kw = {n: kw[n] for n in ("dropout_p", "scale", "softcap", "sinks")}
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -24,6 +24,17 @@ TABLE_SOURCE: str = getattr(auto_table, "SOURCE", "")
 
 MODES = ("fwd", "fwd+bwd")  # inference calls, and calls whose backward will run
 
+# The names of a table key's fields, per op (`python -m fusedattn.info --auto-table` heads its
+# columns with them): the mode, then the buckets below.
+_ATTENTION_KEY = ("mode", "dtype", "head dim <=", "causal", "mask", "keys")
+KEY_COLUMNS = {
+    "attention": _ATTENTION_KEY,
+    "varlen_attention": _ATTENTION_KEY,
+    "layer_norm": ("mode", "dtype", "row length"),
+    "rms_norm": ("mode", "dtype", "row length"),
+    "softmax": ("mode", "dtype", "mask", "row length"),
+}
+
 
 def head_dim_bucket(D: int) -> int:
     return 64 if D <= 64 else 128 if D <= 128 else 256

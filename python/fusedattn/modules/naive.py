@@ -1,8 +1,10 @@
 """Naive nn.Modules: the fused modules pinned to the reference backend (the attention module
 also does the attention step itself, naively), with torch's parameter names and state_dicts.
 
-The reference transformer is made of these, so `fusedattn.swap_modules` can replace each with
-its fused twin and one set of weights runs either way.
+The reference transformer (fusedattn.reference.transformer) is made of these, so
+`fusedattn.swap_modules` can replace each with its fused twin and one set of weights runs
+either way. They live with the modules, not in fusedattn.reference: the naive ops import
+nothing of the package but its checks and masks, and ops/ imports them without a circle.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..modules.attention import MultiheadAttention as FusedMultiheadAttention
-from ..modules.layernorm import LayerNorm as FusedLayerNorm
-from ..modules.rmsnorm import RMSNorm as FusedRMSNorm
-from ..modules.softmax import Softmax as FusedSoftmax
-from .attention import attention_scores, expand_kv_heads
+from ..reference.attention import attention_scores, expand_kv_heads
+from .attention import MultiheadAttention as FusedMultiheadAttention
+from .layernorm import LayerNorm as FusedLayerNorm
+from .rmsnorm import RMSNorm as FusedRMSNorm
+from .softmax import Softmax as FusedSoftmax
 
 
 class Softmax(FusedSoftmax):

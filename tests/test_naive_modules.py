@@ -1,14 +1,15 @@
-"""Reference nn.Modules against torch's: same state_dict, same outputs, same weights."""
+"""The naive nn.Modules (fusedattn.modules.naive, what the reference transformer is made of)
+against torch's: same state_dict, same outputs, same weights."""
 
 import pytest
 import torch
 from torch import nn
 
-from fusedattn import reference
+from fusedattn.modules import naive
 
 
 def pair(batch_first, bias=True, dropout=0.0):
-    ours = reference.MultiheadAttention(
+    ours = naive.MultiheadAttention(
         16, 4, dropout=dropout, bias=bias, batch_first=batch_first, dtype=torch.float64
     )
     theirs = nn.MultiheadAttention(
@@ -71,13 +72,13 @@ def test_mha_gradients_match_torch():
 
 
 def test_layer_norm_and_softmax_modules_match_torch():
-    ln, ln_t = reference.LayerNorm(12, eps=1e-6), nn.LayerNorm(12, eps=1e-6)
+    ln, ln_t = naive.LayerNorm(12, eps=1e-6), nn.LayerNorm(12, eps=1e-6)
     with torch.no_grad():
         ln.weight.normal_()
         ln.bias.normal_()
     ln_t.load_state_dict(ln.state_dict())
     x = torch.randn(3, 4, 12)
     torch.testing.assert_close(ln(x), ln_t(x))
-    torch.testing.assert_close(reference.Softmax(dim=1)(x), nn.Softmax(dim=1)(x))
+    torch.testing.assert_close(naive.Softmax(dim=1)(x), nn.Softmax(dim=1)(x))
     with pytest.warns(UserWarning, match="Implicit dimension"):
-        torch.testing.assert_close(reference.Softmax()(x), torch.softmax(x, 0))
+        torch.testing.assert_close(naive.Softmax()(x), torch.softmax(x, 0))
