@@ -1,0 +1,39 @@
+"""Every script in examples/ runs as a user would run it, in its CPU configuration (issue #33):
+a fresh interpreter, the default (tiny) sizes, exit status 0, and the line it ends with. The
+scripts check themselves (a loss that falls, packed logits equal to unpacked ones)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = {
+    "swap_transformer.py": "loss ",
+    "hf_llama.py": "pattern:",
+    "bert_padded.py": "loss ",
+    "packed_sequences.py": "step ",
+}
+
+
+def test_every_example_is_listed_here():
+    assert {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")} == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_example_runs_on_the_cpu(script):
+    if script in ("hf_llama.py", "packed_sequences.py"):
+        pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU configuration, on a GPU machine too
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)], cwd=EXAMPLES, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert (
+        SCRIPTS[script] in result.stdout.strip().splitlines()[-1]
+        or SCRIPTS[script] in result.stdout
+    )
