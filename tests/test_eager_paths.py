@@ -112,7 +112,7 @@ def test_eager_and_custom_op_paths_agree():
     ids=["LayerNorm", "RMSNorm", "Softmax", "MultiheadAttention"],
 )
 def test_jit_trace_records_the_custom_op_and_replays_new_inputs(module, shape, grad):
-    """torch.jit.trace (what the modules' TorchScript refusal recommends) must record the
+    """torch.jit.trace (deprecated in torch 2.14, still used) must record the
     kernel: a trace of the eager path records no launch and replays the traced call's output
     for every input (the LayerNorm no-grad trace did, silently)."""
     mod = module().to(DEVICE)

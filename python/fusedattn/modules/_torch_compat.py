@@ -30,5 +30,5 @@ class FusedModule(nn.Module):
         raise TypeError(
             f"fusedattn.{type(self).__name__} is not scriptable with torch.jit.script (its ops "
             "are torch.library custom ops called with keyword-only arguments); use "
-            "torch.compile, or torch.jit.trace, instead"
+            "torch.compile instead (TorchScript, jit.trace included, is deprecated in torch 2.14)"
         )
