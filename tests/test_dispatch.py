@@ -111,7 +111,10 @@ def test_available_backends_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels run on CPU in it
     assert fusedattn.available_backends("cpu") == ["reference", "torch", "triton"]
     report = backends.backend_report("cpu")
-    assert set(report) == {"attention", "varlen_attention", "layer_norm", "rms_norm", "softmax"}
+    assert set(report) == {
+        "attention", "varlen_attention", "attention_with_kvcache", "layer_norm", "rms_norm",
+        "softmax",
+    }  # fmt: skip
     assert report["attention"]["reference"] == [] and report["attention"]["torch"] == []
     assert report["softmax"]["triton"] == [] and report["layer_norm"]["triton"] == []
     assert report["attention"]["triton"] == [] and report["softmax"]["cuda"]

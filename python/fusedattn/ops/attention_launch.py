@@ -209,7 +209,7 @@ class TritonAttentionLaunch:
         merge = dict(MERGE_BOUNDARIES=True) if self.cfg.dkdv.merge else {}
         return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge)
 
-    def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad):
+    def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad, exact_delta=None):
         args = (
             q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.kv_range,
             self.seed, self.slopes, self.sinks,
@@ -220,8 +220,10 @@ class TritonAttentionLaunch:
             self.query_blocks("dq"), *self.scalars,
         )  # fmt: skip
         # the exact delta (attention_bwd_dq) where the output's rounding would show: a float
-        # mask's gradient, and fp32 without TF32 (not a speed path: its dots run on FMA units)
-        exact_delta = mask_grad or self.ieee_fp32
+        # mask's gradient, and fp32 without TF32 (not a speed path: its dots run on FMA units);
+        # exact_delta=False: the caller's out is a whole row's and these keys a block of it
+        if exact_delta is None:
+            exact_delta = mask_grad or self.ieee_fp32
         constexprs = dict(
             MASK_GRAD=mask_grad, HAS_SINKS=self.sinks is not None, EXACT_DELTA=exact_delta,
             **self.flags, **self.tiles("dq"),

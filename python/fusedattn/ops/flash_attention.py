@@ -135,19 +135,20 @@ def _cuda_masks(q, k, attn_mask, key_padding_mask):
     return mask, kpm
 
 
-def _empty_out(q: torch.Tensor, Dv: int) -> torch.Tensor:
+def _empty_out(q: torch.Tensor, Dv: int, dtype=None) -> torch.Tensor:
     """(B, Hq, Tq, Dv) view of a (B, Tq, Hq, Dv) buffer: the merge of heads that follows in a
     module (out.transpose(1, 2).flatten(2)) is then free."""
     B, H, T, _ = q.shape
-    return new_output((B, T, H, Dv), q.dtype, q.device).transpose(1, 2)
+    return new_output((B, T, H, Dv), dtype or q.dtype, q.device).transpose(1, 2)
 
 
-def _empty_out_like(q: torch.Tensor, Dv: int, varlen: bool) -> torch.Tensor:
+def _empty_out_like(q: torch.Tensor, Dv: int, varlen: bool, dtype=None) -> torch.Tensor:
     """The output: (B, Hq, Tq, Dv) as a view of a (B, Tq, Hq, Dv) buffer (the merge of heads
-    that follows in a module is then free), or packed (total_q, Hq, Dv)."""
+    that follows in a module is then free), or packed (total_q, Hq, Dv); in q's dtype unless
+    another is asked for."""
     if varlen:
-        return new_output((q.shape[0], q.shape[1], Dv), q.dtype, q.device)
-    return _empty_out(q, Dv)
+        return new_output((q.shape[0], q.shape[1], Dv), dtype or q.dtype, q.device)
+    return _empty_out(q, Dv, dtype)
 
 
 def _no_keys(out, lse, sinks):
@@ -194,12 +195,14 @@ def attention_fwd_impl(
 
 def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
-                       bottom_right, scale, softcap, dropout_p, seed, backend):  # fmt: skip
+                       bottom_right, scale, softcap, dropout_p, seed, backend,
+                       out_dtype=None):  # fmt: skip
     """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
-    to reuse."""
+    to reuse. out_dtype: the output's dtype if not q's (Triton: context parallelism keeps a
+    block's output in fp32 for the merge)."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
-    out = _empty_out_like(q, v.shape[-1], varlen)
+    out = _empty_out_like(q, v.shape[-1], varlen, out_dtype)
     if backend == "cuda":
         lse = new_output(q.shape[:3], torch.float32, q.device)
         if out.numel() == 0 or k.shape[2] == 0:
@@ -279,9 +282,11 @@ def attention_bwd_impl(
 def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
                         window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
-                        backend, launch=None):  # fmt: skip
+                        backend, launch=None, delta_from_out=False):  # fmt: skip
     """attention_bwd_impl, reusing the forward's Triton launch when it is given (eager); dS
-    and dsinks are None when not asked for."""
+    and dsinks are None when not asked for. delta_from_out: delta = rowsum(dO * O) from the
+    `out` given, never the exact pass over these keys (context parallelism: out and lse are a
+    whole row's, these keys one block of it)."""
     q, k, v, out, do = _kernel_layout(backend, q, k, v, out, do)
     dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
     varlen = cu_seqlens_q is not None
@@ -310,7 +315,22 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
         dropout_p, seed,
     )  # fmt: skip
     delta = new_output(L.lse_shape, torch.float32, q.device)  # written by the dq kernel
-    L.launch(L.K.attention_bwd_dq, *L.dq_args(q, k, v, out, do, lse, delta, dq, dmask, mask_grad))
+    L.launch(
+        L.K.attention_bwd_dq,
+        *L.dq_args(
+            q,
+            k,
+            v,
+            out,
+            do,
+            lse,
+            delta,
+            dq,
+            dmask,
+            mask_grad,
+            exact_delta=False if delta_from_out else None,
+        ),
+    )
     L.launch(L.K.attention_bwd_dkdv, *L.dkdv_args(q, k, v, do, lse, delta, dk, dv))
     if sinks is not None:  # d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
         sink = sinks.float().view(-1, 1) if varlen else sinks.float().view(1, -1, 1)

@@ -1,0 +1,528 @@
+"""Context parallelism on torch.distributed: attention over a sequence sharded across ranks.
+
+    from fusedattn import distributed as cp
+    q, k, v = (cp.shard_sequence(t, dim=2) for t in (q_full, k_full, v_full))   # this rank's
+    out = cp.context_parallel_attention(q, k, v, is_causal=True)                # its output
+    full = cp.unshard_sequence(out, dim=2)
+
+Each rank holds a shard of the sequence, T/W positions of it (W = the group's size):
+layout "contiguous" gives rank r chunk r of W; "zigzag" cuts the sequence in 2W chunks and
+gives rank r chunks r and 2W - 1 - r, so that under a causal mask every rank has the same work.
+`context_parallel_attention` returns this rank's shard of `fusedattn.attention` on the whole
+sequence (top-left positions: query and key t are both global position t), forward and
+backward, computed block by block: this rank's query chunks against every rank's K/V chunk.
+
+- strategy "ring": K/V (the Hkv heads only) travel rank to rank with batched point-to-point
+  operations, the next block's transfer in flight while the kernel works on the block at hand;
+  in the backward dK/dV accumulators travel with their K/V and arrive back at their owner.
+  "allgather": K/V gathered once, dK/dV summed back to their owners by a reduce-scatter.
+- Blocks that causal masking or a window hides entirely are never computed; a block that the
+  mask cuts runs as one kernel call with its keys or queries sliced so that the cut is a
+  top-left window (`_band`).
+- Partial outputs and log-sum-exps merge in fp32 (out = sum of exp(lse_b - lse) * out_b), dQ
+  accumulates in fp32 and dK/dV travel in fp32: no bf16 rounding per hop, so the error does
+  not grow with W. The backward of a block uses the whole row's out and lse (the row's
+  probabilities restricted to the block), so nothing is recomputed twice.
+- sinks join each row's normaliser once, after the merge; each rank's sinks gradient is its
+  part (the data-parallel reduction sums them, as for every parameter).
+- Backends: "triton" (the kernels, their backward taking the row's out and lse), "reference"
+  (naive blocks, float64 capable), "torch" (SDPA for a block's output; its lse, which SDPA
+  does not return, from the block's scores, naively); "auto" is triton on a GPU, torch on a CPU.
+  Dropout is refused: blocks would draw independent masks.
+
+Built only on torch.distributed (NCCL on GPUs, gloo on CPUs). Every rank must call with the
+same shapes and options: they are checked with one small all-gather first, and a mismatch
+raises the same ValueError on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_attention_args
+from .masks import NO_WINDOW, Window, window_mask
+from .ops import attention
+from .reference.attention import attention_scores, expand_kv_heads, log_sum_exp
+
+LAYOUTS = ("zigzag", "contiguous")
+STRATEGIES = ("ring", "allgather")
+BACKENDS = ("auto", "triton", "reference", "torch")
+
+
+# ---- sharding ---------------------------------------------------------------------------------
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def chunk_offsets(rank: int, world: int, T: int, layout: str) -> list[tuple[int, int]]:
+    """(global start, length) of each chunk rank `rank` holds of a sequence of T positions."""
+    _check_layout(layout)
+    if layout == "contiguous":
+        if T % world:
+            raise ValueError(
+                f"layout='contiguous' needs a sequence length divisible by W={world}, got {T}"
+            )
+        n = T // world
+        return [(rank * n, n)]
+    if T % (2 * world):
+        raise ValueError(
+            f"layout='zigzag' cuts the sequence in 2W = {2 * world} chunks: its length must be "
+            f"divisible by {2 * world}, got {T}"
+        )
+    c = T // (2 * world)
+    return [(rank * c, c), ((2 * world - 1 - rank) * c, c)]
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of x along `dim` (the whole sequence, the same on every rank)."""
+    world, rank = _world(group)
+    parts = [
+        x.narrow(dim, start, n) for start, n in chunk_offsets(rank, world, x.shape[dim], layout)
+    ]
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+def unshard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """The whole sequence from every rank's shard x along `dim` (an all-gather; the same on
+    every rank)."""
+    world, _ = _world(group)
+    _check_layout(layout)
+    shards = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    T = x.shape[dim] * world
+    pieces = []
+    for r, shard in enumerate(shards):
+        local = 0
+        for start, n in chunk_offsets(r, world, T, layout):
+            pieces.append((start, shard.narrow(dim, local, n)))
+            local += n
+    return torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])], dim=dim)
+
+
+# ---- one block: a query chunk against a key chunk ----------------------------------------------
+
+
+def _band(n: int, m: int, lo, hi):
+    """Query rows i < n see keys j < m iff lo <= j - i <= hi (None = unbounded). -> None when
+    no pair is visible, else (q_start, k_start, window_size or None) such that rows
+    q_start.. against keys k_start.. are exactly that under a top-left `window_size` (rows
+    before q_start see nothing)."""
+    if (lo is not None and lo > m - 1) or (hi is not None and hi < -(n - 1)):
+        return None
+    q_start = k_start = 0
+    if lo is not None and lo > 0:  # keys before lo are never seen: start the keys there
+        k_start, hi, lo = lo, None if hi is None else hi - lo, 0
+    if hi is not None and hi < 0:  # rows before -hi see nothing: start the queries there
+        q_start, lo, hi = -hi, None if lo is None else lo - hi, 0
+    n, m = n - q_start, m - k_start
+    if (lo is None or lo <= -(n - 1)) and (hi is None or hi >= m - 1):
+        return q_start, k_start, None  # every pair visible: no mask
+    return q_start, k_start, (-1 if lo is None else -lo, -1 if hi is None else hi)
+
+
+class _Block:
+    """Everything one (query chunk, key chunk) block needs, forward and backward."""
+
+    def __init__(self, q_start, k_start, window):
+        self.q_start, self.k_start, self.window = q_start, k_start, window
+
+
+def _block_bounds(q_offset, n, k_offset, m, cfg) -> _Block | None:
+    """The visible part of queries [q_offset, +n) against keys [k_offset, +m), global positions."""
+    d = q_offset - k_offset  # query i at global q_offset + i sees key j at k_offset + j iff
+    # (q_offset + i) - left <= k_offset + j <= (q_offset + i) + right: d - left <= j - i <= d + right
+    left, right = cfg.window
+    lo = None if left < 0 else d - left
+    hi = None if right < 0 else d + right
+    band = _band(n, m, lo, hi)
+    return None if band is None else _Block(*band)
+
+
+def _block_forward(q, k, v, block: _Block, cfg):
+    """(out rows, lse rows) of the block for all n query rows (rows before q_start: 0, -inf);
+    out in fp32."""
+    qs, ks, vs = q[:, :, block.q_start :], k[:, :, block.k_start :], v[:, :, block.k_start :]
+    kw = dict(scale=cfg.scale, enable_gqa=cfg.enable_gqa, window_size=block.window,
+              softcap=cfg.softcap)  # fmt: skip
+    if cfg.backend == "triton":  # the kernel, its output kept in fp32 for the merge
+        from .ops.flash_attention import _attention_forward
+
+        window = block.window or (-1, -1)
+        out, lse, _ = _attention_forward(
+            *_kernel_inputs(qs, ks, vs, cfg), None, None, None, None, None, None, 0, 0,
+            window[0], window[1], False, cfg.scale_value, cfg.softcap, 0.0, None, "triton",
+            out_dtype=torch.float32,
+        )  # fmt: skip
+    elif cfg.backend == "torch":
+        out = attention(qs, ks, vs, backend="torch", **kw)
+        window = NO_WINDOW if block.window is None else Window(*block.window)
+        scores = attention_scores(qs, ks, None, scale=cfg.scale, window=window, softcap=cfg.softcap)
+        lse = log_sum_exp(scores)  # SDPA returns no lse: this block's, from its scores
+    else:
+        out, lse = attention(qs, ks, vs, return_lse=True, backend=cfg.backend, **kw)
+    if block.q_start:
+        B, H, n, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+        full_out = out.new_zeros(B, H, n, Dv)
+        full_out[:, :, block.q_start :] = out
+        full_lse = lse.new_full((B, H, n), float("-inf"))
+        full_lse[:, :, block.q_start :] = lse
+        out, lse = full_out, full_lse
+    return out.float(), lse.float()
+
+
+def _kernel_inputs(q, k, v, cfg):
+    """q, k, v as the Triton backend gets them from fusedattn.attention (checked there): the
+    refusals, asked here once per call, are the same."""
+    from .ops.flash_attention import triton_refusals
+
+    reasons = triton_refusals(q=q, v=v)
+    if reasons:
+        raise ValueError("backend='triton' cannot run these blocks: " + "; ".join(reasons))
+    return q, k, v
+
+
+def _block_backward(dout, q, k, v, out, lse, block: _Block, cfg):
+    """(dq rows, dk, dv) of the block (fp32), from the whole row's out and lse."""
+    s = block.q_start
+    qs, ks, vs = q[:, :, s:], k[:, :, block.k_start :], v[:, :, block.k_start :]
+    # lse contiguous: the kernels read it as (B, H, T) laid out densely, not through strides
+    dos, outs, lses = dout[:, :, s:], out[:, :, s:], lse[:, :, s:].contiguous()
+    window = block.window or (-1, -1)
+    if cfg.backend == "triton":
+        from .ops.flash_attention import _attention_backward
+
+        dq, dk, dv, _, _ = _attention_backward(
+            dos, qs, ks, vs, outs, lses, None, None, None, None, None, None, 0, 0, window[0],
+            window[1], False, cfg.scale_value, cfg.softcap, 0.0, None, False, "triton",
+            delta_from_out=True,
+        )  # fmt: skip
+    else:
+        dq, dk, dv = _naive_block_backward(dos, qs, ks, vs, outs, lses, window, cfg)
+    full_dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    full_dq[:, :, s:] = dq
+    full_dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    full_dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    full_dk[:, :, block.k_start :] = dk
+    full_dv[:, :, block.k_start :] = dv
+    return full_dq, full_dk, full_dv
+
+
+def _naive_block_backward(do, q, k, v, out, lse, window, cfg):
+    """The block's gradients with the row's probabilities P = exp(s - lse) restricted to it,
+    in fp32 (fp64 kept): dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), through softcap."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[1] // k.shape[1]
+    kx, vx = (expand_kv_heads(t, q.shape[1]).to(compute) for t in (k, v))
+    qc, doc = q.to(compute), do.to(compute)
+    raw = torch.matmul(qc, kx.transpose(-2, -1)) * cfg.scale_value
+    s = cfg.softcap * torch.tanh(raw / cfg.softcap) if cfg.softcap > 0 else raw
+    Tq, Tk = q.shape[2], k.shape[2]
+    visible = window_mask(Window(window[0], window[1]), Tq, Tk, device=q.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - lse.to(compute)[..., None]).nan_to_num(0.0)  # rows with lse -inf: 0
+    dv = torch.matmul(p.transpose(-2, -1), doc)
+    delta = (doc * out.to(compute)).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(doc, vx.transpose(-2, -1)) - delta)
+    if cfg.softcap > 0:
+        ds = ds * (1.0 - torch.tanh(raw / cfg.softcap) ** 2)
+    dq = torch.matmul(ds, kx) * cfg.scale_value
+    dk = torch.matmul(ds.transpose(-2, -1), qc) * cfg.scale_value
+    B, Hkv = k.shape[:2]
+    dk = dk.view(B, Hkv, group, *dk.shape[2:]).sum(2)
+    dv = dv.view(B, Hkv, group, *dv.shape[2:]).sum(2)
+    return dq, dk, dv
+
+
+def _merge(acc_out, acc_lse, out, lse):
+    """fp32 merge of two partial results of the same rows (lse -inf = nothing seen yet)."""
+    if acc_out is None:
+        return out, lse
+    new = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(new == float("-inf"), 0.0, new)
+    w_acc = torch.exp(acc_lse - safe)[..., None]
+    w_new = torch.exp(lse - safe)[..., None]
+    return acc_out * w_acc + out * w_new, new
+
+
+# ---- communication ------------------------------------------------------------------------------
+
+
+def _ring_exchange(tensors, group, world, rank):
+    """Start sending `tensors` to the next rank and receiving the previous rank's into new
+    buffers; -> (requests, buffers)."""
+    send_to = (
+        dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+    )
+    recv_from = (
+        dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+    )
+    buffers = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, recv_from, group) for b in buffers]
+    return dist.batch_isend_irecv(ops), buffers
+
+
+def _reduce_scatter(chunks: list[torch.Tensor], group) -> torch.Tensor:
+    """Sum over ranks of chunks[r] (one per rank, equal shapes), delivered to rank r."""
+    flat = torch.cat([c.contiguous() for c in chunks])  # (W * B, ...): rank r gets rows r
+    out = torch.empty_like(chunks[0])
+    with warnings.catch_warnings():  # torch 2.14 renames it reduce_scatter_single
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.reduce_scatter_tensor(out, flat, group=group)
+    return out
+
+
+# ---- the op -------------------------------------------------------------------------------------
+
+
+class _Config:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _global_check(q, k, v, sinks, cfg, group, world):
+    """Every rank called with the same shapes and options (one small all-gather), and the
+    sequence fits the layout: a ValueError on every rank otherwise, never a hang."""
+    meta = torch.tensor(
+        [q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2], v.shape[-1],
+         zlib.crc32(repr((cfg.layout, cfg.strategy, cfg.is_causal, cfg.window, cfg.softcap,
+                          cfg.scale, sinks is not None, cfg.backend, str(q.dtype))).encode())],
+        dtype=torch.int64,
+    )  # fmt: skip
+    if dist.get_backend(group) == "nccl":
+        meta = meta.to(q.device)
+    gathered = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(gathered, meta, group=group)
+    rows = [tuple(g.tolist()) for g in gathered]
+    if any(r != rows[0] for r in rows):
+        raise ValueError(
+            "context_parallel_attention: the ranks disagree on shapes or options "
+            f"(B, Hq, T/W, D, Hkv, Tk/W, Dv, options per rank: {rows}); every rank must pass "
+            "its shard of the same sequence with the same arguments"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must be shards of the same sequence (self-attention): T/W = {q.shape[2]} "
+            f"and {k.shape[2]}"
+        )
+    chunk_offsets(0, world, q.shape[2] * world, cfg.layout)  # divisibility, same on every rank
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cfg):
+        out, lse = _forward(q, k, v, sinks, cfg)
+        # the fp32 output for the backward's delta = rowsum(dO * O): not the one rounded to
+        # q's dtype (in bf16 that rounding reached dq, dk and the sinks' gradient)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dq, dk, dv, dsinks = _backward(dout, q, k, v, sinks, out, lse, ctx.cfg)
+        return dq, dk, dv, dsinks, None
+
+
+def _local_chunks(cfg):
+    """[(global offset, local offset, length)] of this rank's query chunks."""
+    local, out = 0, []
+    for start, n in chunk_offsets(cfg.rank, cfg.world, cfg.T, cfg.layout):
+        out.append((start, local, n))
+        local += n
+    return out
+
+
+def _kv_chunks(owner, cfg):
+    """[(global offset, local offset, length)] of the chunks rank `owner` holds."""
+    local, out = 0, []
+    for start, n in chunk_offsets(owner, cfg.world, cfg.T, cfg.layout):
+        out.append((start, local, n))
+        local += n
+    return out
+
+
+def _blocks_against(owner, cfg):
+    """[(q chunk, kv chunk, block)] of this rank's queries against `owner`'s K/V chunks that
+    see something."""
+    found = []
+    for qc in _local_chunks(cfg):
+        for kc in _kv_chunks(owner, cfg):
+            block = _block_bounds(qc[0], qc[2], kc[0], kc[2], cfg)
+            if block is not None:
+                found.append((qc, kc, block))
+    return found
+
+
+def _kv_sources(cfg):
+    """Yield (owner, k, v) of every rank's K/V: passed around the ring, the next transfer in
+    flight while the caller computes on the current one, or gathered at once."""
+    k, v = cfg.k, cfg.v
+    if cfg.strategy == "allgather":
+        ks = [torch.empty_like(k) for _ in range(cfg.world)]
+        vs = [torch.empty_like(v) for _ in range(cfg.world)]
+        dist.all_gather(ks, k.contiguous(), group=cfg.group)
+        dist.all_gather(vs, v.contiguous(), group=cfg.group)
+        for owner in range(cfg.world):
+            yield owner, ks[owner], vs[owner]
+        return
+    for step in range(cfg.world):
+        pending = None
+        if step < cfg.world - 1:
+            pending = _ring_exchange([k, v], cfg.group, cfg.world, cfg.rank)
+        yield (cfg.rank - step) % cfg.world, k, v
+        if pending is not None:
+            for req in pending[0]:
+                req.wait()
+            k, v = pending[1]
+
+
+def _forward(q, k, v, sinks, cfg):
+    cfg.k, cfg.v = k, v
+    B, Hq, n, _ = q.shape
+    Dv = v.shape[-1]
+    out = torch.zeros(B, Hq, n, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+    for owner, k_owner, v_owner in _kv_sources(cfg):
+        for (_, q_local, qn), (_, k_local, kn), block in _blocks_against(owner, cfg):
+            rows = slice(q_local, q_local + qn)
+            b_out, b_lse = _block_forward(
+                q[:, :, rows], k_owner[:, :, k_local : k_local + kn],
+                v_owner[:, :, k_local : k_local + kn], block, cfg,
+            )  # fmt: skip
+            out[:, :, rows], lse[:, :, rows] = _merge(
+                out[:, :, rows], lse[:, :, rows], b_out, b_lse
+            )
+    if sinks is not None:  # each head's sink joins every row's normaliser, once
+        sink = sinks.float().view(1, -1, 1).expand_as(lse)
+        total = torch.logaddexp(lse, sink)
+        out = out * torch.exp(lse - total).nan_to_num(0.0)[..., None]
+        lse = total
+    cfg.k = cfg.v = None
+    return out, lse
+
+
+def _backward(dout, q, k, v, sinks, out, lse, cfg):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk_own = dv_own = None
+    if cfg.strategy == "allgather":
+        cfg.k, cfg.v = k, v
+        dks = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(cfg.world)]
+        dvs = [torch.zeros(v.shape, dtype=torch.float32, device=v.device) for _ in range(cfg.world)]
+        for owner, k_owner, v_owner in _kv_sources(cfg):
+            _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dks[owner], dvs[owner], cfg)
+        dk_own, dv_own = _reduce_scatter(dks, cfg.group), _reduce_scatter(dvs, cfg.group)
+    else:
+        # K/V and their fp32 dK/dV accumulators travel together; after W - 1 hops the
+        # accumulators hold every rank's contribution but the last, and one more hop brings
+        # them home.
+        k_cur, v_cur = k, v
+        dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for step in range(cfg.world):
+            owner = (cfg.rank - step) % cfg.world
+            pending = None
+            if step < cfg.world - 1:  # the K/V move on while this block computes
+                pending = _ring_exchange([k_cur, v_cur], cfg.group, cfg.world, cfg.rank)
+            _accumulate(dout, q, k_cur, v_cur, out, lse, owner, dq, dk_cur, dv_cur, cfg)
+            if cfg.world > 1:  # the accumulators follow their K/V (home after the last hop)
+                reqs, (dk_cur, dv_cur) = _ring_exchange(
+                    [dk_cur, dv_cur], cfg.group, cfg.world, cfg.rank
+                )
+                for req in reqs:
+                    req.wait()
+            if pending is not None:
+                for req in pending[0]:
+                    req.wait()
+                k_cur, v_cur = pending[1]
+        dk_own, dv_own = dk_cur, dv_cur
+    dsinks = None
+    if sinks is not None and sinks.requires_grad:
+        delta = (dout.float() * out.float()).sum(-1)
+        p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+        dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
+    cfg.k = cfg.v = None
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), dsinks
+
+
+def _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dk, dv, cfg):
+    """Add the gradients of this rank's query chunks against `owner`'s K/V chunks."""
+    for (_, q_local, qn), (_, k_local, kn), block in _blocks_against(owner, cfg):
+        rows, keys = slice(q_local, q_local + qn), slice(k_local, k_local + kn)
+        b_dq, b_dk, b_dv = _block_backward(
+            dout[:, :, rows], q[:, :, rows], k_owner[:, :, keys], v_owner[:, :, keys],
+            out[:, :, rows], lse[:, :, rows], block, cfg,
+        )  # fmt: skip
+        dq[:, :, rows] += b_dq
+        dk[:, :, keys] += b_dk
+        dv[:, :, keys] += b_dv
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """This rank's shard of `fusedattn.attention` over the whole sequence; see the module
+    docstring. q (B, Hq, T/W, D), k (B, Hkv, T/W, D), v (B, Hkv, T/W, Dv): this rank's shard
+    (`shard_sequence`). Returns out (B, Hq, T/W, Dv) [, lse (B, Hq, T/W) float32]."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context_parallel_attention needs torch.distributed initialised")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    _check_layout(layout)
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {BACKENDS} for context parallelism, got {backend!r}"
+        )
+    if dropout_p:
+        raise ValueError(
+            "context_parallel_attention does not take dropout: each block would draw its own "
+            "mask, so the result would not be attention with dropout on the whole sequence"
+        )
+    window = check_attention_args(
+        q, k, v, None, 0.0, is_causal, scale, enable_gqa, None, window_size=window_size,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    world, rank = _world(group)
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    cfg = _Config(
+        group=group, world=world, rank=rank, T=q.shape[2] * world, layout=layout,
+        strategy=strategy, is_causal=is_causal, window=(window.left, window.right),
+        scale=scale, scale_value=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        softcap=float(softcap), enable_gqa=enable_gqa, backend=backend,
+    )  # fmt: skip
+    _global_check(q, k, v, sinks, cfg, group, world)
+    out, lse = _ContextParallelAttention.apply(q, k, v, sinks, cfg)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence"]
