@@ -13,8 +13,9 @@
 # LayerNorm/RMSNorm/softmax warp counts and backward row paths), profile-norms (where the
 # Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host) and
 # tune-triton-masks (the Triton kernels with a dense bool or float attn_mask, ~3 x 26
-# candidates: the masked loops reshaped without a GPU; CSV under masks/) and bench-decode
-# (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s).
+# candidates: the masked loops reshaped without a GPU; CSV under masks/), bench-decode
+# (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s) and
+# bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -125,6 +126,7 @@ step bench-attention 200 $PYTHON benchmarks/run_all.py --quick --no-plots --only
   --out "$out_dir"
 step bench-decode 300 $PYTHON benchmarks/run_all.py --quick --no-plots --only decode \
   --out "$out_dir"
+step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
 step tune-triton-masks 180 $PYTHON scripts/tune_triton_attention.py --cases d128m,d128cm,d128cmf \
   --out "$out_dir/masks" --jobs 16

@@ -98,7 +98,7 @@ def unshard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigza
     every rank)."""
     world, _ = _world(group)
     _check_layout(layout)
-    shards = [torch.empty_like(x) for _ in range(world)]
+    shards = [_dense_like(x) for _ in range(world)]
     dist.all_gather(shards, x.contiguous(), group=group)
     T = x.shape[dim] * world
     pieces = []
@@ -259,6 +259,12 @@ def _merge(acc_out, acc_lse, out, lse):
 # ---- communication ------------------------------------------------------------------------------
 
 
+def _dense_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty contiguous tensor of t's shape: collectives and p2p want dense buffers (a
+    shard is often a transposed view)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def _ring_exchange(tensors, group, world, rank):
     """Start sending `tensors` to the next rank and receiving the previous rank's into new
     buffers; -> (requests, buffers)."""
@@ -268,7 +274,7 @@ def _ring_exchange(tensors, group, world, rank):
     recv_from = (
         dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
     )
-    buffers = [torch.empty_like(t) for t in tensors]
+    buffers = [_dense_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, b, recv_from, group) for b in buffers]
     return dist.batch_isend_irecv(ops), buffers
@@ -277,7 +283,7 @@ def _ring_exchange(tensors, group, world, rank):
 def _reduce_scatter(chunks: list[torch.Tensor], group) -> torch.Tensor:
     """Sum over ranks of chunks[r] (one per rank, equal shapes), delivered to rank r."""
     flat = torch.cat([c.contiguous() for c in chunks])  # (W * B, ...): rank r gets rows r
-    out = torch.empty_like(chunks[0])
+    out = _dense_like(chunks[0])
     with warnings.catch_warnings():  # torch 2.14 renames it reduce_scatter_single
         warnings.simplefilter("ignore", FutureWarning)
         dist.reduce_scatter_tensor(out, flat, group=group)
@@ -373,8 +379,8 @@ def _kv_sources(cfg):
     flight while the caller computes on the current one, or gathered at once."""
     k, v = cfg.k, cfg.v
     if cfg.strategy == "allgather":
-        ks = [torch.empty_like(k) for _ in range(cfg.world)]
-        vs = [torch.empty_like(v) for _ in range(cfg.world)]
+        ks = [_dense_like(k) for _ in range(cfg.world)]
+        vs = [_dense_like(v) for _ in range(cfg.world)]
         dist.all_gather(ks, k.contiguous(), group=cfg.group)
         dist.all_gather(vs, v.contiguous(), group=cfg.group)
         for owner in range(cfg.world):
