@@ -205,7 +205,7 @@ def _block_backward(dout, q, k, v, out, lse, block: _Block, cfg):
         dq, dk, dv, _, _ = _attention_backward(
             dos, qs, ks, vs, outs, lses, None, None, None, None, None, None, 0, 0, window[0],
             window[1], False, cfg.scale_value, cfg.softcap, 0.0, None, False, "triton",
-            delta_from_out=True,
+            delta_from_out=True, grads_dtype=torch.float32,
         )  # fmt: skip
     else:
         dq, dk, dv = _naive_block_backward(dos, qs, ks, vs, outs, lses, window, cfg)

@@ -282,13 +282,17 @@ def attention_bwd_impl(
 def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
                         window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
-                        backend, launch=None, delta_from_out=False):  # fmt: skip
+                        backend, launch=None, delta_from_out=False, grads_dtype=None):  # fmt: skip
     """attention_bwd_impl, reusing the forward's Triton launch when it is given (eager); dS
     and dsinks are None when not asked for. delta_from_out: delta = rowsum(dO * O) from the
     `out` given, never the exact pass over these keys (context parallelism: out and lse are a
-    whole row's, these keys one block of it)."""
+    whole row's, these keys one block of it). grads_dtype: dq, dk, dv in this dtype (fp32:
+    context parallelism sums the blocks' gradients unrounded)."""
     q, k, v, out, do = _kernel_layout(backend, q, k, v, out, do)
-    dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
+    if grads_dtype is None:
+        dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
+    else:
+        dq, dk, dv = (torch.empty_like(t, dtype=grads_dtype) for t in (q, k, v))
     varlen = cu_seqlens_q is not None
     B, H, Tq = (0, 0, 0) if varlen else q.shape[:3]
     Tk = 0 if varlen else k.shape[2]
