@@ -218,11 +218,21 @@ def markdown() -> str:
             else:
                 cells.append(YES)
         lines.append(f"| {feature.name} | " + " | ".join(cells) + " |")
+    lines.append(_context_parallel_row())
     legend = (
         f"{YES} runs, {NO} refused with a clear error (`auto` picks another backend), "
         f"{NONE} no implementation."
     )
     return "\n".join([*lines, "", legend, "", "Refusals, as the code words them:", "", *notes])
+
+
+def _context_parallel_row() -> str:
+    """fusedattn.distributed runs its blocks through the backends it names (its BACKENDS), with
+    every option of attention but dropout; the others have no context-parallel path."""
+    from . import distributed
+
+    cells = [YES if b in distributed.BACKENDS else NONE for b in backends.BACKENDS]
+    return "| context_parallel_attention (no dropout) | " + " | ".join(cells) + " |"
 
 
 def update(path: str) -> bool:
