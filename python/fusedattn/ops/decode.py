@@ -17,7 +17,7 @@ from .. import reference
 from ..checks import check_kvcache_args
 from ..masks import NO_WINDOW
 from ..reference.decode import append_to_cache
-from . import backends
+from . import backends, triton_launch
 from .attention import _torch_attention, _torch_refusals
 from .attention_launch import dot_flags
 from .flash_attention import MAX_HEAD_DIM
@@ -148,29 +148,37 @@ def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask
     slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
     block_table_arg = block_table.contiguous() if paged else None
+    # one-dimensional per-sequence values are read at b: dense
+    seqlens_k = seqlens_k.contiguous()
+    leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
     k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
-    grid = (B * Hkv * m_blocks * num_splits,)
-    K.attention_decode[grid](
-        q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, cache_leftpad,
+    # through the launch cache (ops/triton_launch.py): a decode step is short enough that
+    # Triton's own per-launch binding (~20 µs on the CPU machine) would show
+    args = (
+        q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, leftpad,
         block_table_arg, slopes, sinks, key_mask, *q.stride()[:3], *k_strides, *v_strides,
         *out.stride()[:3], block_table_arg.stride(0) if paged else 0,
         Hq if slopes is not None and slopes.dim() == 2 else 0,
         0 if key_mask is None else key_mask.stride(0),
         Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
-        window.right, HAS_LEFTPAD=cache_leftpad is not None, PAGED=paged,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=window.left >= 0,
-        HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0, HAS_ALIBI=slopes is not None,
-        HAS_SINKS=sinks is not None, SPLIT=split, HAS_KEY_MASK=key_mask is not None,
-        INTERPRETED=interpreted, **flags,
+        window.right,
+    )  # fmt: skip
+    constexprs = dict(
+        HAS_LEFTPAD=leftpad is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        HAS_LEFT=window.left >= 0, HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0,
+        HAS_ALIBI=slopes is not None, HAS_SINKS=sinks is not None, SPLIT=split,
+        HAS_KEY_MASK=key_mask is not None, INTERPRETED=interpreted, **flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    triton_launch.launch(K.attention_decode, (B * Hkv * m_blocks * num_splits,), args, constexprs)
     if split:
-        K.decode_combine[(B * Tq * Hq,)](
-            part_o, part_lse, out, lse, sinks, *out.stride()[:3], Tq, Hq, Hkv, Dv, group,
-            num_splits, HAS_SINKS=sinks is not None,
-            BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), BLOCK_DV=cfg.block_dv,
-            num_warps=1 if interpreted else 4,
+        triton_launch.launch(
+            K.decode_combine, (B * Tq * Hq,),
+            (part_o, part_lse, out, lse, sinks, *out.stride()[:3], Tq, Hq, Hkv, Dv, group,
+             num_splits),
+            dict(HAS_SINKS=sinks is not None, BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()),
+                 BLOCK_DV=cfg.block_dv, num_warps=1 if interpreted else 4),
         )  # fmt: skip
     return (out, lse) if return_lse else out
 
