@@ -19,6 +19,8 @@ from pathlib import Path
 
 import harness
 
+from fusedattn.support import update_block
+
 RESULTS = Path(__file__).resolve().parent / "results"
 START = "<!-- headline:start (python benchmarks/headline.py --update README.md) -->"
 END = "<!-- headline:end -->"
@@ -115,17 +117,7 @@ def markdown() -> str:
 
 
 def update(path: str) -> bool:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head, sep, rest = text.partition(START)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"{path} has no headline block ({START} ... {END})")
-    new = f"{head}{START}\n{markdown()}\n{END}{tail}"
-    if new != text:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(new)
-    return new != text
+    return update_block(path, START, END, markdown())
 
 
 def main(argv=None) -> int:

@@ -235,19 +235,25 @@ def _context_parallel_row() -> str:
     return "| context_parallel_attention (no dropout) | " + " | ".join(cells) + " |"
 
 
-def update(path: str) -> bool:
-    """Rewrite the block between START and END in `path`; True if it changed."""
+def update_block(path: str, start: str, end: str, text: str) -> bool:
+    """Put `text` between the marker lines `start` and `end` of the file at `path` (a README's
+    generated block); True if the file changed. ValueError when the markers are missing."""
     with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head, sep, rest = text.partition(START)
-    _, sep2, tail = rest.partition(END)
+        old = f.read()
+    head, sep, rest = old.partition(start)
+    _, sep2, tail = rest.partition(end)
     if not sep or not sep2:
-        raise ValueError(f"{path} has no support-matrix block ({START} ... {END})")
-    new = f"{head}{START}\n{markdown()}\n{END}{tail}"
-    if new != text:
+        raise ValueError(f"{path} has no generated block ({start} ... {end})")
+    new = f"{head}{start}\n{text}\n{end}{tail}"
+    if new != old:
         with open(path, "w", encoding="utf-8") as f:
             f.write(new)
-    return new != text
+    return new != old
+
+
+def update(path: str) -> bool:
+    """Rewrite the support matrix between START and END in `path`; True if it changed."""
+    return update_block(path, START, END, markdown())
 
 
 def main(argv=None) -> int:
