@@ -319,7 +319,7 @@ def cli(run: Callable, csv_name: str, argv=None) -> None:
 
 
 KERNEL_BACKENDS = ("triton", "cuda")
-_ANNOUNCED: set = set()  # (op, backend) pairs already said not to be measured in this run
+_ANNOUNCED: set = set()  # (backend, reason) already said not to be measured in this run
 
 
 def new_run() -> None:
@@ -336,9 +336,10 @@ def kernel_backends(op: str, device: torch.device) -> list[str]:
     if device.type == "cpu" and not report["triton"]:
         report["triton"] = ["on the CPU Triton runs in its interpreter: tested, not timed"]
     for b in KERNEL_BACKENDS:
-        if report[b] and (op, b) not in _ANNOUNCED:  # once per run, not once per case
-            _ANNOUNCED.add((op, b))
-            print(f"  {op}: fusedattn-{b} not measured: {'; '.join(report[b])}")
+        reason = "; ".join(report[b])
+        if report[b] and (b, reason) not in _ANNOUNCED:  # once per run and reason, not per case
+            _ANNOUNCED.add((b, reason))
+            print(f"  fusedattn-{b} not measured: {reason}")
     return [b for b in KERNEL_BACKENDS if not report[b]]
 
 

@@ -152,7 +152,9 @@ def _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
     if attention_mask is not None and (
-        attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+        attention_mask.dtype != torch.bool
+        or attention_mask.dim() != 4
+        or attention_mask.shape[-1] != key.shape[2]  # a mask that is not one per cache slot
     ):
         return False
     name = backends.resolve_backend_name(backend)
