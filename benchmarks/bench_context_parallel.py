@@ -60,17 +60,18 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
                                  scale=None, scale_value=D**-0.5, softcap=0.0, enable_gqa=True,
                                  backend="triton")  # fmt: skip
                 for _owner, blocks in blocks_of(world, rank, T):
-                    for (q_off, _, qn), (k_off, _, kn), block in blocks:
-                        qb = q[:, :, q_off : q_off + qn].detach().requires_grad_(mode != "fwd")
-                        kb = k[:, :, k_off : k_off + kn].detach().requires_grad_(mode != "fwd")
-                        vb = v[:, :, k_off : k_off + kn].detach().requires_grad_(mode != "fwd")
+                    for blk in blocks:  # the block's rows and keys, at their global positions
+                        nq = blk.rows.stop - blk.rows.start
+                        nk = blk.keys.stop - blk.keys.start
+                        qb = q[:, :, blk.q_global : blk.q_global + nq]
+                        kb = k[:, :, blk.k_global : blk.k_global + nk]
+                        vb = v[:, :, blk.k_global : blk.k_global + nk]
 
-                        def call(qb=qb, kb=kb, vb=vb, block=block, cfg=cfg, mode=mode):
-                            if mode == "fwd":
-                                return cp._block_forward(qb, kb, vb, block, cfg)
-                            out, lse = cp._block_forward(qb, kb, vb, block, cfg)
-                            return cp._block_backward(out.to(qb.dtype), qb, kb, vb, out, lse,
-                                                      block, cfg)  # fmt: skip
+                        def call(qb=qb, kb=kb, vb=vb, window=blk.window, cfg=cfg, mode=mode):
+                            out, lse = cp._block_forward(qb, kb, vb, window, cfg)
+                            if mode != "fwd":
+                                cp._block_backward(out.to(qb.dtype), qb, kb, vb, out, lse,
+                                                   window, cfg)  # fmt: skip
 
                         total += harness.time_ms(call, device=device)
             ratio = total / whole[mode]

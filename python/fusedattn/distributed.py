@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -131,54 +132,56 @@ def _band(n: int, m: int, lo, hi):
     return q_start, k_start, (-1 if lo is None else -lo, -1 if hi is None else hi)
 
 
-class _Block:
-    """Everything one (query chunk, key chunk) block needs, forward and backward."""
+class Block(NamedTuple):
+    """The visible part of one (query chunk, K/V chunk) pair: local rows of this rank's q,
+    local keys of the owner's K/V, the top-left window that cuts them (None: every pair
+    visible), and the global positions of their first row and key."""
 
-    def __init__(self, q_start, k_start, window):
-        self.q_start, self.k_start, self.window = q_start, k_start, window
+    rows: slice
+    keys: slice
+    window: tuple[int, int] | None
+    q_global: int
+    k_global: int
 
 
-def _block_bounds(q_offset, n, k_offset, m, cfg) -> _Block | None:
-    """The visible part of queries [q_offset, +n) against keys [k_offset, +m), global positions."""
-    d = q_offset - k_offset  # query i at global q_offset + i sees key j at k_offset + j iff
-    # (q_offset + i) - left <= k_offset + j <= (q_offset + i) + right: d - left <= j - i <= d + right
+def _block_of(q_chunk, k_chunk, cfg) -> Block | None:
+    """The Block of a query chunk and a key chunk, each (global offset, local offset, length),
+    or None when no pair of them is visible."""
+    (q_off, q_local, n), (k_off, k_local, m) = q_chunk, k_chunk
+    d = q_off - k_off  # query i at global q_off + i sees key j at k_off + j iff
+    # (q_off + i) - left <= k_off + j <= (q_off + i) + right: d - left <= j - i <= d + right
     left, right = cfg.window
-    lo = None if left < 0 else d - left
-    hi = None if right < 0 else d + right
-    band = _band(n, m, lo, hi)
-    return None if band is None else _Block(*band)
+    band = _band(n, m, None if left < 0 else d - left, None if right < 0 else d + right)
+    if band is None:
+        return None
+    q_start, k_start, window = band
+    return Block(
+        slice(q_local + q_start, q_local + n), slice(k_local + k_start, k_local + m), window,
+        q_off + q_start, k_off + k_start,
+    )  # fmt: skip
 
 
-def _block_forward(q, k, v, block: _Block, cfg):
-    """(out rows, lse rows) of the block for all n query rows (rows before q_start: 0, -inf);
-    out in fp32."""
-    qs, ks, vs = q[:, :, block.q_start :], k[:, :, block.k_start :], v[:, :, block.k_start :]
-    kw = dict(scale=cfg.scale, enable_gqa=cfg.enable_gqa, window_size=block.window,
-              softcap=cfg.softcap)  # fmt: skip
+def _block_forward(q, k, v, window, cfg):
+    """(out fp32, lse) of the query rows q against the keys k, v under the top-left window."""
     if cfg.backend == "triton":  # the kernel, its output kept in fp32 for the merge
         from .ops.flash_attention import _attention_forward
 
-        window = block.window or (-1, -1)
+        left, right = window or (-1, -1)
         out, lse, _ = _attention_forward(
-            *_kernel_inputs(qs, ks, vs, cfg), None, None, None, None, None, None, 0, 0,
-            window[0], window[1], False, cfg.scale_value, cfg.softcap, 0.0, None, "triton",
+            *_kernel_inputs(q, k, v, cfg), None, None, None, None, None, None, 0, 0, left,
+            right, False, cfg.scale_value, cfg.softcap, 0.0, None, "triton",
             out_dtype=torch.float32,
         )  # fmt: skip
-    elif cfg.backend == "torch":
-        out = attention(qs, ks, vs, backend="torch", **kw)
-        window = NO_WINDOW if block.window is None else Window(*block.window)
-        scores = attention_scores(qs, ks, None, scale=cfg.scale, window=window, softcap=cfg.softcap)
-        lse = log_sum_exp(scores)  # SDPA returns no lse: this block's, from its scores
-    else:
-        out, lse = attention(qs, ks, vs, return_lse=True, backend=cfg.backend, **kw)
-    if block.q_start:
-        B, H, n, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-        full_out = out.new_zeros(B, H, n, Dv)
-        full_out[:, :, block.q_start :] = out
-        full_lse = lse.new_full((B, H, n), float("-inf"))
-        full_lse[:, :, block.q_start :] = lse
-        out, lse = full_out, full_lse
-    return out.float(), lse.float()
+        return out, lse
+    kw = dict(scale=cfg.scale, enable_gqa=cfg.enable_gqa, window_size=window,
+              softcap=cfg.softcap)  # fmt: skip
+    if cfg.backend == "torch":
+        out = attention(q, k, v, backend="torch", **kw)
+        scores = attention_scores(q, k, None, scale=cfg.scale, softcap=cfg.softcap,
+                                  window=NO_WINDOW if window is None else Window(*window))  # fmt: skip
+        return out.float(), log_sum_exp(scores)  # SDPA returns no lse: the block's scores'
+    out, lse = attention(q, k, v, return_lse=True, backend=cfg.backend, **kw)
+    return out.float(), lse
 
 
 def _kernel_inputs(q, k, v, cfg):
@@ -192,30 +195,21 @@ def _kernel_inputs(q, k, v, cfg):
     return q, k, v
 
 
-def _block_backward(dout, q, k, v, out, lse, block: _Block, cfg):
-    """(dq rows, dk, dv) of the block (fp32), from the whole row's out and lse."""
-    s = block.q_start
-    qs, ks, vs = q[:, :, s:], k[:, :, block.k_start :], v[:, :, block.k_start :]
-    # lse contiguous: the kernels read it as (B, H, T) laid out densely, not through strides
-    dos, outs, lses = dout[:, :, s:], out[:, :, s:], lse[:, :, s:].contiguous()
-    window = block.window or (-1, -1)
+def _block_backward(dout, q, k, v, out, lse, window, cfg):
+    """(dq, dk, dv) in fp32 of the query rows q against the keys k, v, from the rows' whole
+    out and lse (the row's probabilities restricted to these keys)."""
+    lse = lse.contiguous()  # the kernels read lse as a dense (B, H, T), not through strides
     if cfg.backend == "triton":
         from .ops.flash_attention import _attention_backward
 
+        left, right = window or (-1, -1)
         dq, dk, dv, _, _ = _attention_backward(
-            dos, qs, ks, vs, outs, lses, None, None, None, None, None, None, 0, 0, window[0],
-            window[1], False, cfg.scale_value, cfg.softcap, 0.0, None, False, "triton",
+            dout, q, k, v, out, lse, None, None, None, None, None, None, 0, 0, left, right,
+            False, cfg.scale_value, cfg.softcap, 0.0, None, False, "triton",
             delta_from_out=True, grads_dtype=torch.float32,
         )  # fmt: skip
-    else:
-        dq, dk, dv = _naive_block_backward(dos, qs, ks, vs, outs, lses, window, cfg)
-    full_dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    full_dq[:, :, s:] = dq
-    full_dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    full_dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    full_dk[:, :, block.k_start :] = dk
-    full_dv[:, :, block.k_start :] = dv
-    return full_dq, full_dk, full_dv
+        return dq, dk, dv
+    return _naive_block_backward(dout, q, k, v, out, lse, window or (-1, -1), cfg)
 
 
 def _naive_block_backward(do, q, k, v, out, lse, window, cfg):
@@ -344,16 +338,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None
 
 
-def _local_chunks(cfg):
-    """[(global offset, local offset, length)] of this rank's query chunks."""
-    local, out = 0, []
-    for start, n in chunk_offsets(cfg.rank, cfg.world, cfg.T, cfg.layout):
-        out.append((start, local, n))
-        local += n
-    return out
-
-
-def _kv_chunks(owner, cfg):
+def _chunks(owner, cfg):
     """[(global offset, local offset, length)] of the chunks rank `owner` holds."""
     local, out = 0, []
     for start, n in chunk_offsets(owner, cfg.world, cfg.T, cfg.layout):
@@ -362,16 +347,10 @@ def _kv_chunks(owner, cfg):
     return out
 
 
-def _blocks_against(owner, cfg):
-    """[(q chunk, kv chunk, block)] of this rank's queries against `owner`'s K/V chunks that
-    see something."""
-    found = []
-    for qc in _local_chunks(cfg):
-        for kc in _kv_chunks(owner, cfg):
-            block = _block_bounds(qc[0], qc[2], kc[0], kc[2], cfg)
-            if block is not None:
-                found.append((qc, kc, block))
-    return found
+def _blocks_against(owner, cfg) -> list[Block]:
+    """The blocks of this rank's queries against `owner`'s K/V chunks that see something."""
+    found = (_block_of(qc, kc, cfg) for qc in _chunks(cfg.rank, cfg) for kc in _chunks(owner, cfg))
+    return [b for b in found if b is not None]
 
 
 def _kv_sources(cfg):
@@ -404,12 +383,12 @@ def _forward(q, k, v, sinks, cfg):
     out = torch.zeros(B, Hq, n, Dv, dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, n), float("-inf"), dtype=torch.float32, device=q.device)
     for owner, k_owner, v_owner in _kv_sources(cfg):
-        for (_, q_local, qn), (_, k_local, kn), block in _blocks_against(owner, cfg):
-            rows = slice(q_local, q_local + qn)
+        for blk in _blocks_against(owner, cfg):
             b_out, b_lse = _block_forward(
-                q[:, :, rows], k_owner[:, :, k_local : k_local + kn],
-                v_owner[:, :, k_local : k_local + kn], block, cfg,
+                q[:, :, blk.rows], k_owner[:, :, blk.keys], v_owner[:, :, blk.keys],
+                blk.window, cfg,
             )  # fmt: skip
+            rows = blk.rows
             out[:, :, rows], lse[:, :, rows] = _merge(
                 out[:, :, rows], lse[:, :, rows], b_out, b_lse
             )
@@ -467,11 +446,11 @@ def _backward(dout, q, k, v, sinks, out, lse, cfg):
 
 def _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dk, dv, cfg):
     """Add the gradients of this rank's query chunks against `owner`'s K/V chunks."""
-    for (_, q_local, qn), (_, k_local, kn), block in _blocks_against(owner, cfg):
-        rows, keys = slice(q_local, q_local + qn), slice(k_local, k_local + kn)
+    for blk in _blocks_against(owner, cfg):
+        rows, keys = blk.rows, blk.keys
         b_dq, b_dk, b_dv = _block_backward(
             dout[:, :, rows], q[:, :, rows], k_owner[:, :, keys], v_owner[:, :, keys],
-            out[:, :, rows], lse[:, :, rows], block, cfg,
+            out[:, :, rows], lse[:, :, rows], blk.window, cfg,
         )  # fmt: skip
         dq[:, :, rows] += b_dq
         dk[:, :, keys] += b_dk
