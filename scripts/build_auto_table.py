@@ -11,6 +11,11 @@ torch only where it beats every SDPA backend, by at least --margin. Only rows th
 the k× check count. --exclude IMPL:OP drops measurements that no longer describe the code
 (a kernel changed since it was timed); the table records what it excluded.
 
+Decode rows (op "decode", from bench_decode.py) become the attention_with_kvcache op's keys.
+There "torch" is fusedattn's own torch backend (fusedattn-torch: the cache gathered, then one
+masked SDPA call), which is what auto would otherwise run; the SDPA, naive, prefill, Flex and
+FlashInfer rows time a dense cache that a decode call does not have, so they order nothing.
+
 The bucket functions are the ones dispatch uses (fusedattn.ops.auto), so a row lands where a
 call with its shapes will look.
 """
@@ -35,19 +40,22 @@ from fusedattn.ops import auto  # noqa: E402
 CARDS = {"H100": "sm_90", "H200": "sm_90", "H800": "sm_90", "GH200": "sm_90", "A100": "sm_80",
          "A800": "sm_80", "L40S": "sm_89", "L4": "sm_89", "B200": "sm_100"}  # fmt: skip
 SDPA_FAST = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
-OPS = {"attention", "layer_norm", "rms_norm", "softmax"}  # op column values
+OPS = {"attention", "layer_norm", "rms_norm", "softmax", "decode"}  # op column values
+AUTO_BACKENDS = ("torch", "triton", "cuda")  # what auto chooses among on a GPU
 
 
 def capability(device: str) -> str | None:
     return next((cap for name, cap in CARDS.items() if name in device.split()), None)
 
 
-def backend_of(impl: str) -> str | None:
-    if impl.startswith("fusedattn-"):
+def backend_of(op: str, impl: str) -> str | None:
+    """The backend of auto's that a row times, or None (naive, flex, torch-compile, liger,
+    fusedattn's prefill kernel timed on a decode: nothing auto can run for that op)."""
+    if impl.startswith("fusedattn-") and impl.split("-", 1)[1] in AUTO_BACKENDS:
         return impl.split("-", 1)[1]
-    if impl == "torch" or impl.startswith("sdpa"):
+    if op != "attention_with_kvcache" and (impl == "torch" or impl.startswith("sdpa")):
         return "torch"
-    return None  # naive, flex, torch-compile, liger: not something auto can run
+    return None
 
 
 def row_key(r: dict) -> tuple | None:
@@ -55,6 +63,10 @@ def row_key(r: dict) -> tuple | None:
     op = r["op"]
     if op not in OPS or r["pass"] != "yes" or not r["ms"] or r["mode"] not in auto.MODES:
         return None
+    if op == "decode":  # mask: the cache layout (contiguous, paged16, ...); Tk: its length
+        key = auto.decode_key_of(r["dtype"], int(r["D"]), r["mask"].startswith("paged"),
+                                 int(r["Tq"]), int(r["B"]), int(r["Tk"]), "plain")  # fmt: skip
+        return "attention_with_kvcache", (r["mode"], *key)
     if op == "attention":
         mask = {"dense": "bool"}.get(r["mask"], r["mask"])
         if mask == "softcap":  # auto keys softcap calls as "variant": the default order
@@ -92,10 +104,10 @@ def build(folders: list[Path], exclude: set[tuple[str, str]], margin: float) -> 
         if op.endswith("attention") and sdpa:
             by_backend["torch"] = min(sdpa)
         for impl, t in ms.items():
-            b = backend_of(impl)
+            b = backend_of(op, impl)
             if b and b != "torch":
                 by_backend[b] = t
-            elif b == "torch" and not op.endswith("attention"):
+            elif b == "torch" and not op.endswith("attention"):  # norms, softmax, decode
                 by_backend["torch"] = t
         if "torch" not in by_backend:
             continue  # no baseline measured: nothing to decide

@@ -182,3 +182,103 @@ def test_info_prints_the_table_in_force():
     assert text.startswith("auto: ") and "other calls: cuda: torch > triton" in text
     if auto.TABLE:  # each op's rows under a header naming the key's fields
         assert "mode  " in text and "backends, fastest first" in text
+
+
+# ---- decoding (attention_with_kvcache) -------------------------------------------------------
+
+
+def decode_inputs(B=1, S=4096, Tq=1, page=None, **kw):
+    """The inputs dict the public attention_with_kvcache hands to dispatch (captured there)."""
+    import fusedattn
+
+    captured = {}
+
+    def capture(op, backend, device, inputs):
+        captured.update(inputs)
+        raise StopIteration
+
+    q = torch.randn(B, Tq, 4, 64, dtype=torch.bfloat16)
+    if page is None:
+        k_cache, table = torch.randn(B, S, 2, 64, dtype=torch.bfloat16), None
+    else:
+        k_cache = torch.randn(B * S // page, page, 2, 64, dtype=torch.bfloat16)
+        table = torch.arange(B * S // page, dtype=torch.int32).view(B, -1)
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(StopIteration):
+        patch.setattr(backends, "select", capture)
+        fusedattn.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=S // 2,
+                                         block_table=table, **kw)  # fmt: skip
+    return captured
+
+
+def test_decode_call_keys_read_only_shapes():
+    key = auto.call_key("attention_with_kvcache", decode_inputs())
+    assert key == ("fwd", "bfloat16", 64, "contiguous", "1", "1", "<=8k", "plain")
+    # a paged cache's capacity is pages per sequence x page size; Tq > 1 is bottom-right causal
+    paged = decode_inputs(B=8, S=32768, Tq=4, page=256, is_causal=True)
+    assert auto.call_key("attention_with_kvcache", paged) == (
+        "fwd", "bfloat16", 64, "paged", ">1", "<=8", "<=32k", "plain",
+    )  # fmt: skip
+    big = decode_inputs(B=64, S=65536, page=16)
+    assert auto.call_key("attention_with_kvcache", big)[5:7] == (">8", ">32k")
+    for extra in (dict(softcap=30.0), dict(sinks=torch.zeros(4)), dict(window_size=(128, 0)),
+                  dict(alibi_slopes=torch.ones(4))):  # fmt: skip
+        inputs = decode_inputs(**extra)
+        assert auto.call_key("attention_with_kvcache", inputs)[-1] == "variant", extra
+
+
+def decode_case(impl, ms, B=1, L=32768, Tq=1, layout="contiguous", ok="yes"):
+    return dict(op="decode", mode="fwd", impl=impl, dtype="bfloat16", B=B, H=32, Tq=Tq, Tk=L,
+                D=64, causal=Tq > 1, mask=layout, ms=ms, **{"pass": ok})  # fmt: skip
+
+
+def test_generator_orders_decode_against_fusedattns_torch_backend(generator, tmp_path):
+    """On a decode, auto's torch backend is fusedattn-torch (gather + masked SDPA): the SDPA,
+    naive, prefill, Flex and FlashInfer rows time a dense cache and order nothing."""
+    write_rows(tmp_path, [
+        decode_case("fusedattn-torch", 1.0), decode_case("fusedattn-triton", 0.4),
+        decode_case("sdpa-flash", 0.1), decode_case("fusedattn-triton-prefill", 0.05),
+        decode_case("flashinfer", 0.05), decode_case("naive", 9.0),
+        # paged16 and paged256 share the "paged" bucket: medians over both
+        decode_case("fusedattn-torch", 2.0, layout="paged16"),
+        decode_case("fusedattn-triton", 2.5, layout="paged16"),
+        decode_case("fusedattn-torch", 2.0, layout="paged256"),
+        decode_case("fusedattn-triton", 2.5, layout="paged256"),
+        # B=8 Tq=4: torch faster; a failed Triton row does not count
+        decode_case("fusedattn-torch", 1.0, B=8, Tq=4), decode_case("fusedattn-triton", 0.9, B=8, Tq=4),
+        decode_case("fusedattn-torch", 1.0, B=64), decode_case("fusedattn-triton", 0.1, B=64, ok="no: wrong"),
+        # no fusedattn-torch row: nothing to decide, however fast SDPA was
+        decode_case("sdpa-flash", 1.0, L=1024), decode_case("fusedattn-triton", 0.5, L=1024),
+    ])  # fmt: skip
+    keys = generator.build([tmp_path], set(), 0.03)["sm_90"]["attention_with_kvcache"]
+    key = ("fwd", "bfloat16", 64, "contiguous", "1", "1", "<=32k", "plain")
+    assert keys == {
+        key: ("triton", "torch"),
+        (*key[:3], "paged", *key[4:]): ("torch",),
+        (*key[:4], ">1", "<=8", *key[6:]): ("triton", "torch"),
+        (*key[:5], ">8", *key[6:]): ("torch",),
+    }
+
+
+def test_a_generated_decode_key_is_the_key_of_a_decode_call(generator, tmp_path, monkeypatch):
+    write_rows(tmp_path, [decode_case("fusedattn-torch", 0.5, L=4096),
+                          decode_case("fusedattn-triton", 1.0, L=4096)])  # fmt: skip
+    monkeypatch.setattr(auto, "TABLE", generator.build([tmp_path], set(), 0.03))
+    monkeypatch.setattr(auto, "capability", lambda index: "sm_90")
+    order = backends.auto_order("attention_with_kvcache", CUDA, decode_inputs(S=4096))
+    assert order == ("torch", "triton", "reference")
+    # a call in a bucket never measured keeps the default order (Triton first on a GPU)
+    other = backends.auto_order("attention_with_kvcache", CUDA, decode_inputs(S=4096, softcap=30.0))
+    default = backends.AUTO_ORDER["cuda"]["attention_with_kvcache"]
+    assert other == default and default[0] == "triton"
+
+
+def test_decode_routing_traces_without_graph_breaks(table):
+    torch._dynamo.reset()
+    inputs = decode_inputs(page=16)
+
+    def f(q):
+        order = backends.auto_order("attention_with_kvcache", CUDA, inputs | dict(q=q))
+        return torch.tensor(len(order)) + q.sum()
+
+    q = inputs["q"]
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(q), f(q))

@@ -27,12 +27,15 @@ MODES = ("fwd", "fwd+bwd")  # inference calls, and calls whose backward will run
 # The names of a table key's fields, per op (`python -m fusedattn.info --auto-table` heads its
 # columns with them): the mode, then the buckets below.
 _ATTENTION_KEY = ("mode", "dtype", "head dim <=", "causal", "mask", "keys")
+_DECODE_KEY = ("mode", "dtype", "head dim <=", "cache", "new queries", "batch", "cache keys",
+               "kind")  # fmt: skip
 KEY_COLUMNS = {
     "attention": _ATTENTION_KEY,
     "varlen_attention": _ATTENTION_KEY,
     "layer_norm": ("mode", "dtype", "row length"),
     "rms_norm": ("mode", "dtype", "row length"),
     "softmax": ("mode", "dtype", "mask", "row length"),
+    "attention_with_kvcache": _DECODE_KEY,
 }
 
 
@@ -48,8 +51,26 @@ def row_bucket(N: int) -> str:
     return "<=1k" if N <= 1024 else "<=4k" if N <= 4096 else "<=8k" if N <= 8192 else ">8k"
 
 
+def batch_bucket(B: int) -> str:
+    return "1" if B == 1 else "<=8" if B <= 8 else ">8"
+
+
+def cache_bucket(S: int) -> str:
+    """Decoding is bandwidth-bound and batch 1 must fill the GPU from the keys alone, so the
+    order can change with the cache length: buckets at the measured 1k, 8k, 32k (and 128k)."""
+    return "<=1k" if S <= 1024 else "<=8k" if S <= 8192 else "<=32k" if S <= 32768 else ">32k"
+
+
 def attention_key_of(dtype: str, D: int, causal: bool, mask: str, Tk: int) -> tuple:
     return (dtype, head_dim_bucket(D), causal, mask, length_bucket(Tk))
+
+
+def decode_key_of(dtype: str, D: int, paged: bool, Tq: int, B: int, S: int, kind: str) -> tuple:
+    """A decode call (attention_with_kvcache): S is the cache's capacity per sequence (its
+    lengths live on the device; reading them would sync), kind "plain" or "variant"."""
+    layout = "paged" if paged else "contiguous"
+    return (dtype, head_dim_bucket(D), layout, "1" if Tq == 1 else ">1", batch_bucket(B),
+            cache_bucket(S), kind)  # fmt: skip
 
 
 def rowwise_key_of(dtype: str, N: int, mask: str | None = None) -> tuple:
@@ -94,8 +115,22 @@ def _mask_kind(inputs: dict) -> str:
     return "none"
 
 
+def _decode_key(inputs: dict) -> tuple:
+    """Plain decoding (bottom-right causal, padding, left padding included) is what the decode
+    benchmark measures; softcap, ALiBi, sinks and a left window are "variant" (default order)."""
+    q, table, window = inputs["q"], inputs["block_table"], inputs["window"]
+    B, Tq, D = q.shape[0], q.shape[1], q.shape[-1]
+    S = inputs["k_cache"].shape[1] * (1 if table is None else table.shape[1])
+    variant = inputs.get("softcap") or inputs.get("alibi_slopes") is not None
+    variant = variant or inputs.get("sinks") is not None or window.left >= 0
+    kind = "variant" if variant else "plain"
+    return ("fwd", *decode_key_of(_dtype_name(q), D, table is not None, Tq, B, S, kind))
+
+
 def call_key(op: str, inputs: dict) -> tuple:
     """(mode, *bucket) of one call."""
+    if op == "attention_with_kvcache":  # inference only: always "fwd"
+        return _decode_key(inputs)
     tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     mode = MODES[grad]

@@ -40,7 +40,8 @@ OPS = (
 # Decoding is the exception: the torch backend gathers the cache to a dense copy and masks it
 # (SDPA has no paged or per-sequence-length form), so it reads and writes the K/V at least
 # twice where the split-key Triton kernel reads them once: Triton leads until a decode
-# benchmark says otherwise.
+# benchmark says otherwise (build_auto_table.py keys bench_decode.py's rows by ops/auto.py's
+# decode buckets).
 AUTO_ORDER = {
     "cuda": {op: ("torch", "triton", "cuda", "reference") for op in OPS}
     | {"attention_with_kvcache": ("triton", "torch", "reference")},
