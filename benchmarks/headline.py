@@ -86,6 +86,71 @@ def norm_table(card: str) -> list[str]:
     return lines
 
 
+DECODE_CASES = ((1, 8192, "contiguous"), (1, 32768, "contiguous"), (1, 32768, "paged16"),
+                (8, 32768, "contiguous"), (8, 32768, "paged16"))  # fmt: skip
+DECODE_IMPLS = ("fusedattn-triton", "fusedattn-torch", "sdpa (best)", "flashinfer", "flex-compiled")
+
+
+def decode_table(card: str) -> list[str]:
+    """One new query per sequence, Llama-3-8B heads: % of the copy rate (µs per call) per
+    (batch, cache length, layout); SDPA's column is its fastest backend on that case."""
+    rows = [r for r in _rows(card, "decode.csv")
+            if r["op"] == "decode" and r["Tq"] == "1" and r["ms"] and r["pass"] == "yes"]  # fmt: skip
+    if not rows:
+        return []
+    lines = ["| batch, cache, layout | " + " | ".join(DECODE_IMPLS) + " |",
+             "|---" * (len(DECODE_IMPLS) + 1) + "|"]  # fmt: skip
+    for B, L, layout in DECODE_CASES:
+        case = [r for r in rows if (r["B"], r["Tk"], r["mask"]) == (str(B), str(L), layout)]
+        if not case:
+            continue
+        cells = []
+        for impl in DECODE_IMPLS:
+            got = [r for r in case if r["impl"] == impl or
+                   (impl == "sdpa (best)" and r["impl"].startswith("sdpa"))]  # fmt: skip
+            best = min(got, key=lambda r: float(r["ms"]), default=None)
+            cells.append("—" if best is None else
+                         f"{_fmt(best['pct_of_copy'])} % ({_fmt(float(best['ms']) * 1e3)} µs)")  # fmt: skip
+        lines.append(f"| {B}, {L // 1024}k, {layout} | " + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
+
+
+MODEL_IMPLS = ("naive", "torch", "auto", "fusedattn-triton", "fusedattn-cuda")
+
+
+def model_table(card: str) -> list[str]:
+    """Thousands of tokens/s per model, mode and length; "OOM" where a run did not fit."""
+    rows = [r for r in _rows(card, "model.csv") if r["op"].startswith("model:")]
+    if not rows:
+        return []
+    lines = ["| model, mode, T | " + " | ".join(MODEL_IMPLS) + " |",
+             "|---" * (len(MODEL_IMPLS) + 1) + "|"]  # fmt: skip
+    cases = dict.fromkeys((r["op"].removeprefix("model:"), r["mode"], r["Tq"]) for r in rows)
+    for name, mode, T in cases:
+        cells = []
+        for impl in MODEL_IMPLS:
+            got = next((r for r in rows if (r["op"], r["mode"], r["Tq"], r["impl"]) ==
+                        (f"model:{name}", mode, T, impl)), None)  # fmt: skip
+            if got is None:
+                cells.append("—")
+            elif "out of memory" in (got["note"] or ""):
+                cells.append("OOM")
+            else:
+                cells.append(f"{_fmt(float(got['tokens_per_s']) / 1e3, 1)}k")
+        lines.append(f"| {name}, {mode}, {T} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def generate_line(card: str) -> str | None:
+    rows = {r["impl"]: r for r in _rows(card, "decode.csv") if r["op"] == "generate" and r["ms"]}
+    if not rows:
+        return None
+    speeds = ", ".join(f"{impl} {_fmt(r['tokens_per_s'])}" for impl, r in sorted(rows.items()))
+    r = next(iter(rows.values()))
+    return (f"**generate**, tokens/s, 2 layers of Llama-3-8B shape, batch {r['B']}, prompt "
+            f"{int(r['Tk']) - int(r['Tq'])} + {r['Tq']} new: {speeds}")  # fmt: skip
+
+
 def _source(card: str, name: str) -> str:
     rows = _rows(card, name)
     dates = sorted({r["date"][:10] for r in rows if r["date"]})
@@ -107,6 +172,16 @@ def markdown() -> str:
                                 if (RESULTS / card / f"{f}.csv").exists())  # fmt: skip
             out += [f"**LayerNorm, RMSNorm, softmax**, % of the copy rate measured in the same run, "
                     f"M×N = 128 Mi elements bf16 — {sources}", "", *norms, ""]  # fmt: skip
+        decode, generate, model = decode_table(card), generate_line(card), model_table(card)
+        if decode:
+            out += [f"**Decode** (attention_with_kvcache, Hq 32 Hkv 8 D 128 bf16, one new query), "
+                    f"% of the copy rate (µs per call) — {_source(card, 'decode.csv')}", "",
+                    *decode, ""]  # fmt: skip
+        if generate:
+            out += [generate, ""]
+        if model:
+            out += [f"**Models**, thousands of tokens/s, bf16 — {_source(card, 'model.csv')}", "",
+                    *model, ""]  # fmt: skip
     measured = {f for card in GPU_CARDS for f in ("decode", "model") if _rows(card, f"{f}.csv")}
     missing = [f for f in ("decode", "model") if f not in measured]
     if missing:

@@ -89,3 +89,36 @@ def test_the_readme_results_block_is_generated_from_the_committed_csvs():
     assert block.strip() == headline.markdown().strip(), (
         "README.md's results are stale: run python benchmarks/headline.py --update README.md"
     )
+
+
+def test_the_results_block_shows_decode_and_model_runs_once_a_gpu_has_measured_them(
+    tmp_path, monkeypatch
+):
+    """Synthetic H200 decode and model CSVs: their rows reach the README block (no family a
+    GPU run measured is dropped), SDPA's column is its fastest backend, OOM is said."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+    import headline
+
+    env = {"device": "NVIDIA H200", "date": "2026-12-01T10:00:00"}
+    decode = dict(op="decode", mode="fwd", dtype="bfloat16", H=32, Tq=1, D=128, causal=False,
+                  B=1, Tk=32768, mask="contiguous", **{"pass": "yes"})  # fmt: skip
+    timed = {"fusedattn-triton": (0.0125, 85.2), "sdpa-flash": (0.05, 21.0),
+             "sdpa-cudnn": (0.04, 26.5), "fusedattn-torch": (0.2, 5.0)}  # fmt: skip
+    rows = [harness.make_row(env, **decode, impl=impl, ms=ms, pct_of_copy=pct)
+            for impl, (ms, pct) in timed.items()]  # fmt: skip
+    rows.append(harness.make_row(env, op="generate", mode="infer", impl="fusedattn", B=8, Tq=128,
+                                 Tk=2176, ms=500.0, tokens_per_s=2048.0))  # fmt: skip
+    model = dict(op="model:bert-base-padded", dtype="bfloat16", B=8, H=12, Tq=2048, Tk=2048, D=768)
+    models = [harness.make_row(env, **model, mode="train", impl="auto", ms=100.0,
+                               tokens_per_s=163840.0),
+              harness.make_row(env, **model, mode="train", impl="naive", note="out of memory")]  # fmt: skip
+    harness.write_csv(rows, tmp_path / "h200" / "decode.csv")
+    harness.write_csv(models, tmp_path / "h200" / "model.csv")
+    monkeypatch.setattr(headline, "RESULTS", tmp_path)
+    text = headline.markdown()
+    assert "| 1, 32k, contiguous | 85 % (12 µs) | 5 % (200 µs) | 26 % (40 µs) | — | — |" in text
+    assert "**generate**, tokens/s, 2 layers of Llama-3-8B shape, batch 8" in text
+    assert "fusedattn 2048" in text
+    assert "| bert-base-padded, train, 2048 | OOM | — | 163.8k | — | — |" in text
+    assert "benchmarks/results/h200/decode.csv" in text and "Not yet measured" not in text
