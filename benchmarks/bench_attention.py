@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import harness
@@ -303,29 +304,42 @@ def variant_flops(case: Case, inputs, mode: str) -> float:
     return per_pair * pairs
 
 
+def case_fields(case: Case) -> dict:
+    """The case's shape columns of the CSV."""
+    return dict(dtype=str(case.dtype)[6:], B=case.B, H=case.H, Tq=case.T, Tk=case.T, D=case.D,
+                causal=case.causal, mask=case.mask)  # fmt: skip
+
+
+def measurements(case: Case, base_impls: dict, inputs) -> list[tuple[dict, list, Callable]]:
+    """What one case times: (impls {name: fn(*leaves)}, leaves, check(name) -> verdict) for the
+    padded tensors and, for a varlen case, fusedattn's impls on the packed tokens."""
+    impls = base_impls
+    if case.mask == "window":
+        impls = window_impls(case, base_impls)
+    elif case.mask == "softcap":
+        impls = softcap_impls(base_impls)
+    elif case.mask == "varlen":  # fusedattn runs the packed tokens (below)
+        impls = {n: fn for n, fn in base_impls.items() if not n.startswith("fusedattn-")}
+    q, k, v, m, kpm = inputs
+    sc = SOFTCAP if case.mask == "softcap" else 0.0
+    out = [(
+        {name: (lambda q, k, v, fn=fn: fn(q, k, v, m, kpm, case.causal))
+         for name, fn in impls.items()},
+        [q, k, v],
+        lambda name: check_on_slice(impls[name], inputs, case.causal, sc),
+    )]  # fmt: skip
+    if case.mask == "varlen":
+        packed = Packed(q, k, v, kpm)
+        out.append((packed.impls(q.device, case.causal), [packed.q, packed.k, packed.v],
+                    lambda name: packed.check(name, case.causal)))  # fmt: skip
+    return out
+
+
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
     base_impls = implementations(device, quick)
     rows = []
     for case in cases(quick, device):
         inputs = make_inputs(case, device)
-        impls = base_impls
-        if case.mask == "window":
-            impls = window_impls(case, base_impls)
-        elif case.mask == "softcap":
-            impls = softcap_impls(base_impls)
-        elif case.mask == "varlen":  # fusedattn runs the packed tokens (below)
-            impls = {n: fn for n, fn in base_impls.items() if not n.startswith("fusedattn-")}
-        q, k, v, m, kpm = inputs
-        fields = dict(
-            dtype=str(case.dtype)[6:],
-            B=case.B,
-            H=case.H,
-            Tq=case.T,
-            Tk=case.T,
-            D=case.D,
-            causal=case.causal,
-            mask=case.mask,
-        )
 
         def work(mode, case=case, inputs=inputs):
             if case.mask in VARIANT_MASKS:
@@ -335,27 +349,30 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
             )
             return flops, None
 
-        rows += harness.measure(
-            env, device, op="attention",
-            impls={name: (lambda q, k, v, fn=fn, m=m, kpm=kpm, c=case.causal:
-                          fn(q, k, v, m, kpm, c)) for name, fn in impls.items()},
-            leaves=[q, k, v],
-            check=lambda name, inputs=inputs, c=case.causal, impls=impls, sc=(
-                SOFTCAP if case.mask == "softcap" else 0.0
-            ): check_on_slice(impls[name], inputs, c, sc),
-            fields=fields, work=work,
-        )  # fmt: skip
-        if case.mask == "varlen":
-            packed = Packed(q, k, v, kpm)
-            packed_impls = packed.impls(device, case.causal)
-            rows += harness.measure(
-                env, device, op="attention", impls=packed_impls,
-                leaves=[packed.q, packed.k, packed.v],
-                check=lambda name, p=packed, c=case.causal: p.check(name, c),
-                fields=fields, work=work,
-            )  # fmt: skip
+        for impls, leaves, check in measurements(case, base_impls, inputs):
+            rows += harness.measure(env, device, op="attention", impls=impls, leaves=leaves,
+                                    check=check, fields=case_fields(case), work=work)  # fmt: skip
     harness.add_speedups(rows)
     return rows
+
+
+def warm(index: int, quick: bool, device: torch.device) -> list[str]:
+    """Compile what case `index` of `cases(quick, device)` runs of fusedattn's Triton kernels
+    (its check, forward and forward+backward, once each) into Triton's on-disk cache, without
+    timing: `harness.warm_in_parallel` runs this for every case at once in child processes, so
+    the timing run loads its kernels instead of compiling them one after another (the quick
+    GPU grid has some 30-50 kernel specialisations; compiling the forward, dQ and dK/dV
+    kernels of one D=128 case for sm_90 took 15 s on the 2-core CPU machine, process start
+    included, 2026-11-27). Returns what failed."""
+    case = cases(quick, device)[index]
+    inputs = make_inputs(case, device)
+    base = {n: fn for n, fn in implementations(device, quick).items() if n == "fusedattn-triton"}
+    failed = []
+    for impls, leaves, check in measurements(case, base, inputs):
+        failed += harness.run_once(
+            {n: fn for n, fn in impls.items() if n.startswith("fusedattn-triton")}, leaves, check
+        )
+    return [f"{case}: {f}" for f in failed]
 
 
 if __name__ == "__main__":

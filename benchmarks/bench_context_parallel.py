@@ -52,6 +52,7 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
                                      dtype="bfloat16", B=B, H=Hq, Tq=T, Tk=T, D=D, causal=True,
                                      mask="zigzag causal", ms=whole[mode],
                                      tflops=harness.tflops(flops[mode], whole[mode])))  # fmt: skip
+        harness.progress(rows[-1])
     for world in (4, 8):
         for mode in ("fwd", "fwd+bwd"):
             total = 0.0  # every block of every rank, one after the other

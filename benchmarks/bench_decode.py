@@ -211,6 +211,7 @@ def decode_rows(quick, device, env) -> list[dict]:
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 rows.append(harness.make_row(env, impl=name, note="out of memory", **fields))
+                harness.stream(rows[-1])
                 continue
             speed = harness.gbps(kv_bytes, ms)
             copy = env.get("copy_gbps")

@@ -134,6 +134,7 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
                     except torch.cuda.OutOfMemoryError:
                         torch.cuda.empty_cache()
                         rows.append(harness.make_row(env, **fields, note="out of memory"))
+                        harness.stream(rows[-1])
                         print(f"  model {case.name} {mode} {impl} T={T}: out of memory")
                         continue
                     row = harness.make_row(env, **fields, ms=ms, peak_mem_mb=peak,

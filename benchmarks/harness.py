@@ -247,12 +247,41 @@ def add_speedups(rows: list[dict], naive_impl: str = "naive") -> None:
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
+    """Write the rows; atomically (a temporary file renamed), so a run stopped mid-write by a
+    time limit leaves the previous complete file, never a truncated one."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+    tmp.replace(path)
     return path
+
+
+# A family's rows also go to its CSV as each one is measured, so a run that a time limit stops
+# (gpu_check.sh's steps run under `timeout`) keeps every row it finished: the H100 run of
+# 2026-11-26 lost a whole attention family's T=1024 rows that way (the CSV was written at
+# the end only).
+_STREAM: dict = {"path": None, "rows": []}
+
+
+def stream_to(path: Path | None) -> None:
+    """From now on `stream(row)` (and `progress(row)`) rewrites `path` with every row so far;
+    None stops it. The family's final write_csv replaces the file with its finished rows."""
+    _STREAM["path"] = None if path is None else Path(path)
+    _STREAM["rows"] = []
+
+
+def stream(row: dict) -> None:
+    """Add one finished row to the streamed CSV (if stream_to named one)."""
+    if _STREAM["path"] is None:
+        return
+    _STREAM["rows"].append(row)
+    rows = [dict(r) for r in _STREAM["rows"]]  # the caller's rows keep their own speedups
+    add_speedups(rows)
+    write_csv(rows, _STREAM["path"])
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -284,6 +313,7 @@ def measure(env, device, *, op, impls, leaves, check, fields, work) -> list[dict
                 torch.cuda.empty_cache()
                 rows.append(make_row(env, op=op, mode=mode, impl=name, note="out of memory",
                                      **fields))  # fmt: skip
+                stream(rows[-1])
                 print(f"  {op} {mode} {name}: out of memory for {fields}")
                 continue
             flops, nbytes = work(mode)
@@ -302,6 +332,59 @@ def measure(env, device, *, op, impls, leaves, check, fields, work) -> list[dict
     return rows
 
 
+def run_once(impls: dict, leaves: list, check: Callable) -> list[str]:
+    """Call each impl as `measure` would (its check, then fwd and fwd+bwd once), untimed: what
+    a warm-up needs compiled. Returns '<impl>: <error>' for each that failed."""
+    failed = []
+    for name, fn in impls.items():
+        try:
+            check(name)
+            grads_of = [t.detach().requires_grad_() for t in leaves]
+            callables = mode_callables(lambda fn=fn, g=grads_of: fn(*g), grads_of)
+            callables["fwd"]()
+            callables["fwd+bwd"]()
+        except Exception as exc:  # a refusal or a compile error: measure reports it later
+            failed.append(f"{name}: {str(exc).splitlines()[0][:120] if str(exc) else repr(exc)}")
+    return failed
+
+
+def _warm_child(module: str, index: int, quick: bool, device: str) -> list[str]:
+    import importlib
+
+    return importlib.import_module(module).warm(index, quick, torch.device(device))
+
+
+def warm_in_parallel(module: str, n_cases: int, quick: bool, device: torch.device,
+                     jobs: int) -> None:  # fmt: skip
+    """Run `<module>.warm(i, quick, device)` for every case i in `jobs` spawned processes, so
+    Triton compiles the family's kernels on every core at once and the timing run finds them in
+    its on-disk cache (same machine, same environment: the same cache keys). Never fails the
+    run: whatever goes wrong is printed and the timing run compiles the rest itself."""
+    import concurrent.futures
+    import multiprocessing
+
+    if jobs < 1 or n_cases == 0:
+        return
+    start = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    failures = []
+    try:
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, n_cases), mp_context=ctx) as pool:
+            futures = [pool.submit(_warm_child, module, i, quick, str(device))
+                       for i in range(n_cases)]  # fmt: skip
+            for future in concurrent.futures.as_completed(futures):
+                try:
+                    failures += future.result()
+                except Exception as exc:  # a child that died: its cases compile when timed
+                    failures.append(repr(exc)[:200])
+    except Exception as exc:  # no process pool here: everything compiles when timed
+        failures.append(f"warm-up not run: {exc!r}"[:200])
+    for f in failures:
+        print(f"  warm-up: {f}")
+    print(f"  compiled {n_cases} cases' kernels in {time.perf_counter() - start:.0f}s "
+          f"on {min(jobs, n_cases)} processes", flush=True)  # fmt: skip
+
+
 def cli(run: Callable, csv_name: str, argv=None) -> None:
     """The command line of every bench_*.py: [--quick] [--out DIR]."""
     import argparse
@@ -314,7 +397,9 @@ def cli(run: Callable, csv_name: str, argv=None) -> None:
     new_run()
     env = environment()
     out = args.out or REPO / "benchmarks" / "results" / device_slug(env)
+    stream_to(out / csv_name)
     rows = run(args.quick, device, env)
+    stream_to(None)
     print(f"wrote {write_csv(rows, out / csv_name)}")
 
 
@@ -352,6 +437,8 @@ def speed_column(rows: list[dict]) -> str | None:
 
 
 def progress(row: dict) -> None:
+    """Print the row's line and stream it to the family's CSV."""
+    stream(row)
     shape = " ".join(
         f"{c}={row[c]}"
         for c in ("B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask")

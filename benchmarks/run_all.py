@@ -2,6 +2,7 @@
 
     python benchmarks/run_all.py [--quick] [--out DIR] [--only FAMILY,...] [--device cpu|cuda]
                                  [--compare OLD] [--tolerance 0.05] [--no-plots]
+                                 [--compile-jobs N]
 
 Families: attention (incl. a sliding-window and a packed-varlen row), layernorm, rmsnorm,
 softmax, decode (attention over a KV cache, contiguous and paged, and generate tokens/s), model (tokens/s and peak memory of whole models), demo (a training run, naive vs
@@ -10,6 +11,9 @@ fused). Default: all of them on a GPU; on a CPU all but demo (the demo trains tw
 
 Writes one CSV and one PNG per family (harness.COLUMNS) into DIR (default
 benchmarks/results/<device>/), prints a progress line per case and a summary at the end.
+Each row reaches its CSV as soon as it is measured, so a run stopped by a time limit keeps
+what it finished. On a GPU the attention family first compiles its Triton kernels in
+--compile-jobs processes at once (Triton's on-disk cache), then times them.
 On a CPU it runs the reduced suite and says so (17 s on the 2-core CPU machine, measured
 2026-11-27, plots included): speed on the CPU is not the product, the GPU sizes need a CUDA
 device.
@@ -22,6 +26,7 @@ incorrect).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +72,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tolerance", type=float, default=report.DEFAULT_TOLERANCE,
                         help="relative slowdown counted as a regression")  # fmt: skip
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--compile-jobs", type=int, default=None,
+                        help="processes that compile the attention family's Triton kernels "
+                             "before it is timed (default: the CPU count, at most 16, on a "
+                             "GPU; 0 on a CPU or to compile while timing)")  # fmt: skip
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -99,7 +108,16 @@ def main(argv=None) -> int:
         run, csv_name = FAMILIES[name]
         start = time.perf_counter()
         print(f"== {name}")
+        module = sys.modules[run.__module__]
+        jobs = args.compile_jobs
+        if jobs is None:
+            jobs = min(16, os.cpu_count() or 1) if device.type == "cuda" else 0
+        if jobs and hasattr(module, "warm"):
+            harness.warm_in_parallel(run.__module__, len(module.cases(quick, device)), quick,
+                                     device, jobs)  # fmt: skip
+        harness.stream_to(out / csv_name)  # rows reach the CSV as they finish
         rows = run(quick, device, env)
+        harness.stream_to(None)
         path = harness.write_csv(rows, out / csv_name)
         print(f"== {name}: {len(rows)} rows in {time.perf_counter() - start:.0f}s -> {path}")
         if not args.no_plots and rows:

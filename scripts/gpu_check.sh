@@ -3,10 +3,11 @@
 # and write logs and CSVs into the folder given (default $OUT, else .make/gpu-check). No
 # network is assumed: nothing is downloaded (a Liger-Kernel wheel carried in .whl/ is
 # installed for the norm baselines). Each step has a time limit; a failing step does not stop
-# the others. GPU_CHECK_STEPS picks steps, in this order; two presets fit one device call
-# (at most 8 minutes) each:
-#   check   (default) build info gpu-tests bench-attention
-#   measure build tune-triton bench-norms bench-model host
+# the others. GPU_CHECK_STEPS picks steps, in this order; two presets:
+#   check   (default) build info bench-attention gpu-tests (all four may pass one device
+#           call of 8 minutes: run "build info bench-attention" first, then the Triton
+#           grid's two halves, below)
+#   measure build tune-triton bench-norms bench-model host (fits one call)
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
 # tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-cuda-bwd (the CUDA
 # attention's fused backward against its two-kernel one, ~60 s), tune-norms (the Triton
@@ -28,7 +29,7 @@ exec > >(tee "$out_dir/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}  # the GPU image has python3 only
 case "${GPU_CHECK_STEPS:-check}" in
-  check) steps=" build info gpu-tests bench-attention " ;;
+  check) steps=" build info bench-attention gpu-tests " ;;
   measure) steps=" build tune-triton bench-norms bench-model host " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
@@ -52,6 +53,7 @@ step() {  # step NAME SECONDS COMMAND...
 # also when the step's time limit stops the shards.
 # -v: every test's name and outcome as it ends, so a shard the time limit stops still says
 # which tests failed (with -q the H100 run's cut shards showed 8 failures and no names).
+# --durations: the slowest tests of each finished shard (Triton compiles), to trim the grid by.
 # PART=k/m (default 0/1) runs part k of m of the selection: SHARDS processes take shards
 # k, k + m, ... of SHARDS x m, so m device calls cover a selection one call cannot.
 sharded_pytest() {  # sharded_pytest NAME SHARDS PYTEST_ARGS...
@@ -62,7 +64,7 @@ sharded_pytest() {  # sharded_pytest NAME SHARDS PYTEST_ARGS...
   # shellcheck disable=SC2064  # expand now: the trap runs after the locals are gone
   trap "for f in $logs/*.log; do echo \"==> \$f\"; cat \"\$f\"; done >'$out_dir/$name.log'; exit 124" TERM
   for ((i = 0; i < shards; i++)); do
-    $PYTHON -m pytest -v -rs --tb=short --shard "$((i * m + k))/$((shards * m))" "$@" \
+    $PYTHON -m pytest -v -rs --tb=short --durations=15 --shard "$((i * m + k))/$((shards * m))" "$@" \
       >"$logs/$i.log" 2>&1 &
     pids+=($!)
   done
@@ -120,10 +122,15 @@ if ! $PYTHON -c "import setuptools, sys; sys.exit(int(setuptools.__version__.spl
 fi
 step build 150 $PYTHON -m pip install --no-build-isolation --no-deps -e . || exit 1
 step info 20 $PYTHON -m fusedattn.info
-step gpu-tests 300 gpu_tests
-# 16 cases, ~10 s each on the H100 (compiles included): ~160 s
-step bench-attention 200 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
+# The whole-op attention benchmark first: auto's attention routing waits on it (issue #15).
+# 19 cases. On the H100 (2026-11-26) the T=1024 half alone filled 200 s; by our estimate
+# most of it Triton compiling 30-50 kernel specialisations one after another (~3.5 s each
+# for sm_90 on the CPU machine, not profiled on the GPU one); run_all now compiles them in 16
+# processes first (--compile-jobs) and writes each row as it is measured, so a cut run still
+# leaves its CSV.
+step bench-attention 240 $PYTHON benchmarks/run_all.py --quick --no-plots --only attention \
   --out "$out_dir"
+step gpu-tests 300 gpu_tests
 step bench-decode 300 $PYTHON benchmarks/run_all.py --quick --no-plots --only decode \
   --out "$out_dir"
 step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"

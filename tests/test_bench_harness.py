@@ -317,3 +317,74 @@ def test_plot_panels_are_keyed_on_the_op(tmp_path):
         for T in (64, 128)
     ]
     assert report.plot(rows, tmp_path / "model.png").exists()
+
+
+def test_rows_reach_the_csv_as_they_are_measured_so_a_stopped_run_keeps_them(tmp_path, monkeypatch):
+    """gpu_check.sh runs each family under `timeout`: a family stopped after its first rows
+    leaves those rows in its CSV (with their speedups), never a truncated file."""
+    import run_all
+
+    env = harness.environment()
+
+    def stopped_family(quick, device, env=env):
+        for impl, ms in (("naive", 4.0), ("fusedattn-triton", 1.0)):
+            harness.progress(harness.make_row(env, op="softmax", mode="fwd", impl=impl, ms=ms,
+                                              M=8, N=16, **{"pass": "yes"}))  # fmt: skip
+        raise KeyboardInterrupt  # what the time limit's signal does to the run
+
+    monkeypatch.setitem(run_all.FAMILIES, "softmax", (stopped_family, "softmax.csv"))
+    with pytest.raises(KeyboardInterrupt):
+        run_all.main(["--device", "cpu", "--only", "softmax", "--out", str(tmp_path)])
+    harness.stream_to(None)
+    rows = harness.read_csv(tmp_path / "softmax.csv")
+    assert [(r["impl"], r["speedup_vs_naive"]) for r in rows] == [
+        ("naive", "1.0"),
+        ("fusedattn-triton", "4.0"),
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["softmax.csv"]  # no temporary file left
+
+
+@ON_GPU_THE_BENCH_RUNS
+def test_attention_warm_up_runs_each_cases_triton_calls_once(monkeypatch):
+    """What run_all's parallel warm-up runs per case (through the interpreter here): the
+    Triton impls that case times, check included, and nothing else; no failures."""
+    import bench_attention
+
+    monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
+    calls = []
+    run_once = harness.run_once
+    monkeypatch.setattr(harness, "run_once",
+                        lambda impls, leaves, check: calls.append(sorted(impls))
+                        or run_once(impls, leaves, check))  # fmt: skip
+    cpu = torch.device("cpu")
+    grid = bench_attention.cases(True, cpu)
+    for mask in ("key_padding", "window", "varlen"):
+        calls.clear()
+        index = next(i for i, c in enumerate(grid) if c.mask == mask)
+        assert bench_attention.warm(index, True, cpu) == []
+        ran = sorted(name for names in calls for name in names)
+        expected = {"key_padding": ["fusedattn-triton"], "varlen": ["fusedattn-triton"],
+                    "window": ["fusedattn-triton", "fusedattn-triton+dense"]}[mask]  # fmt: skip
+        assert ran == expected
+
+
+def test_parallel_warm_up_runs_every_case_in_child_processes_and_never_fails_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "fake_family.py").write_text(
+        "from pathlib import Path\n"
+        "def warm(index, quick, device):\n"
+        "    if index == 1:\n"
+        "        raise RuntimeError('child boom')\n"
+        f"    Path({str(tmp_path)!r}, f'warmed{{index}}-{{quick}}-{{device}}').touch()\n"
+        "    return ['case 2: fusedattn-triton: refused'] if index == 2 else []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned children get this sys.path
+    harness.warm_in_parallel("fake_family", 3, True, torch.device("cpu"), jobs=2)
+    assert sorted(p.name for p in tmp_path.glob("warmed*")) == [
+        "warmed0-True-cpu",
+        "warmed2-True-cpu",
+    ]
+    text = capsys.readouterr().out
+    assert "child boom" in text and "case 2: fusedattn-triton: refused" in text
+    assert "compiled 3 cases' kernels" in text
