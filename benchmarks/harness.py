@@ -349,9 +349,12 @@ def run_once(impls: dict, leaves: list, check: Callable) -> list[str]:
 
 
 def _warm_child(module: str, index: int, quick: bool, device: str) -> list[str]:
+    import contextlib
     import importlib
+    import io
 
-    return importlib.import_module(module).warm(index, quick, torch.device(device))
+    with contextlib.redirect_stdout(io.StringIO()):  # the timing run says it all once
+        return importlib.import_module(module).warm(index, quick, torch.device(device))
 
 
 def warm_in_parallel(module: str, n_cases: int, quick: bool, device: torch.device,
