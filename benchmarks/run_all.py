@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         run, csv_name = FAMILIES[name]
         start = time.perf_counter()
         print(f"== {name}")
-        module = sys.modules[run.__module__]
+        module = sys.modules.get(run.__module__)
         jobs = args.compile_jobs
         if jobs is None:
             jobs = min(16, os.cpu_count() or 1) if device.type == "cuda" else 0
