@@ -21,6 +21,7 @@
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
 #   GPU_TESTS_PART=1/2 GPU_CHECK_STEPS="build gpu-tests" ...   (the Triton grid's second half)
+#   GPU_CHECK_DEADLINE=560 ...   (every step ends by 560 s after the start: one device call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out_dir=${1:-${OUT:-.make/gpu-check}}
@@ -35,10 +36,24 @@ case "${GPU_CHECK_STEPS:-check}" in
 esac
 status=0
 
+# GPU_CHECK_DEADLINE=S (seconds from the script's start; default none) caps every step's limit
+# at the time left, so one device call can hold several steps and still end inside its own
+# limit with every step's log written (a call killed from outside loses the shard logs).
+deadline=${GPU_CHECK_DEADLINE:-0}
+
 step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2 start=$SECONDS rc
+  local name=$1 limit=$2 start=$SECONDS rc left
   shift 2
   [[ $steps == *" ${name%%:*} "* ]] || return 0  # profile:ncu runs with "profile"
+  if ((deadline > 0)); then
+    left=$((deadline - SECONDS))
+    if ((left < 15)); then
+      echo "== $name: not run, ${left}s left before GPU_CHECK_DEADLINE=${deadline}"
+      status=1
+      return 1
+    fi
+    ((left < limit)) && limit=$left
+  fi
   echo "== $name (limit ${limit}s): $*"
   timeout "$limit" bash -c '"$@"' _ "$@"  # bash -c: a step may be a function of this script
   rc=$?
