@@ -31,7 +31,9 @@ NORM_N = "4096"
 NORM_IMPLS = ("fusedattn-triton", "fusedattn-cuda", "torch", "liger")
 # What a reader must know about a CSV beyond its numbers (from the card folder's README.md).
 CAVEATS = {
-    "h200/attention.csv": "both attention kernels changed since (issues #12, #13): to be re-timed",
+    "h200/model.csv": "auto as routed before this run's table (attention always SDPA); its"
+    " inference rows at T=512 trail torch for a reason not yet profiled",
+    "h200/decode.csv": "B=1 and B=8 at 8k are bound by host time per call, not by the kernel",
 }
 
 

@@ -330,15 +330,17 @@ def test_float32_float_mask_gradient_at_scale_2_is_as_accurate_as_without_it():
 def _peaked_inputs(seed, dtype, D=32):
     """B=1 H=2 Tq=4 Tk=16: key 0 holds 0.99972 of query 0's mass in each head (its score 11
     above the rest), where the true dk is a small difference of two terms."""
+    # Drawn on the CPU (the generator's device: on the H200 the CUDA default device of the
+    # kernel tests refused a CPU generator), then moved to the test's device.
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2, 4, D, generator=g)
-    k = torch.randn(1, 2, 16, D, generator=g) * 0.3
-    v = torch.randn(1, 2, 16, D, generator=g)
+    q = torch.randn(1, 2, 4, D, generator=g, device="cpu")
+    k = torch.randn(1, 2, 16, D, generator=g, device="cpu") * 0.3
+    v = torch.randn(1, 2, 16, D, generator=g, device="cpu")
     for h in range(2):
         row = q[0, h, 0]
         k[0, h, 0] = row / row.norm() ** 2 * 11 * D**0.5
-    dout = torch.randn(1, 2, 4, D, generator=g)
-    return [t.to(dtype) for t in (q, k, v, dout)]
+    dout = torch.randn(1, 2, 4, D, generator=g, device="cpu")
+    return [t.to(torch.get_default_device(), dtype) for t in (q, k, v, dout)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -99,7 +99,8 @@ def test_triton_empty_batch_deterministic_grads_and_compile():
     grads = []
     for _ in range(2):
         w.grad = None
-        w48 = torch.randn(48, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        g = torch.Generator().manual_seed(1)  # a CPU generator: draw there, then move
+        w48 = torch.randn(48, generator=g, device="cpu").to(x.device).requires_grad_()
         fusedattn.rms_norm(x, 48, w48, backend="triton").square().sum().backward()
         grads.append(w48.grad.clone())
     assert torch.equal(grads[0], grads[1])
