@@ -576,3 +576,31 @@ def test_valid_key_range_of_each_padding_pattern(side):
     # [first, end), and whether every key inside it is real
     want = {"right": [0, 7, 1], "left": [3, 10, 1], "middle": [0, 10, 0], "all": [10, 0, 1]}[side]
     assert valid_key_range(kpm).tolist() == [want]
+
+
+@kernels
+@pytest.mark.parametrize("T", [1, 10, 16, 1000, 1024, 2500])
+def test_valid_key_range_kernel_matches_the_torch_expression(T):
+    """The GPU's one-launch key range (key_padding_range) against the CPU's torch ops, on rows
+    right-, left- and both-padded, with holes, all padding and none, T across the kernel's
+    1024-key blocks; run on the default device (compiled on a GPU, interpreted on a CPU)."""
+    from fusedattn.ops.attention_launch import valid_key_range
+
+    g = torch.Generator().manual_seed(T)
+    rows = [torch.zeros(T, dtype=torch.bool), torch.ones(T, dtype=torch.bool)]
+    for _ in range(10):
+        a, b = sorted(torch.randint(0, T + 1, (2,), generator=g).tolist())
+        row = torch.ones(T, dtype=torch.bool)
+        row[a:b] = False  # real keys [a, b): padding at either end
+        rows.append(row.clone())
+        row[torch.rand(T, generator=g) < 0.1] = True  # holes
+        rows.append(row)
+    kpm = torch.stack(rows).to(torch.get_default_device())
+    want = valid_key_range(kpm.cpu(), kernel=False)
+    got = valid_key_range(kpm, kernel=True)
+    assert got.dtype == torch.int32 and got.shape == (len(rows), 3)
+    assert torch.equal(got.cpu(), want)
+    # a strided (non-contiguous) mask reads the same rows
+    wide = torch.zeros(len(rows), 2 * T, dtype=torch.bool, device=kpm.device)
+    wide[:, ::2] = kpm
+    assert torch.equal(valid_key_range(wide[:, ::2], kernel=True).cpu(), want)

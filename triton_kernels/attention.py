@@ -1006,3 +1006,29 @@ def attention_bwd_dq(
         )  # fmt: skip
     tl.store(DQ + b * sdq_b + h * sdq_h + row_ptr[:, None] * sdq_t + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=inb[:, None] & (d < D)[None, :])  # fmt: skip
+
+
+@triton.jit
+def key_padding_range(KPM, OUT, Tk, s_b, BLOCK: tl.constexpr):
+    """The launcher's valid_key_range for batch row b = the program id: (first, end) of the
+    keys that are not padding (end <= first when every key is) and 1 when every key in
+    between is real, else 0, as int32 OUT[b, 0:3]. KPM is the (B, Tk) padding mask as bytes
+    (non-zero = padding). One launch where the torch expression took ten small ops, which made
+    a key-padded forward at T=1024 host-bound on the H200 (0.28 -> 0.57 ms back to back)."""
+    b = tl.program_id(0).to(tl.int64)
+    first = tl.full([BLOCK], 0, tl.int32) + Tk
+    end = tl.zeros([BLOCK], tl.int32)
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, Tk, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < Tk
+        real = (tl.load(KPM + b * s_b + cols, mask=inside, other=1) == 0) & inside
+        first = tl.minimum(first, tl.where(real, cols, Tk))
+        end = tl.maximum(end, tl.where(real, cols + 1, 0))
+        count += real.to(tl.int32)
+    lo = tl.min(first, axis=0)
+    hi = tl.max(end, axis=0)
+    whole = tl.sum(count, axis=0) == tl.maximum(hi - lo, 0)
+    tl.store(OUT + 3 * b, lo)
+    tl.store(OUT + 3 * b + 1, hi)
+    tl.store(OUT + 3 * b + 2, whole.to(tl.int32))

@@ -40,11 +40,14 @@ def dot_flags(q: torch.Tensor) -> dict:
     )
 
 
-def valid_key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
+def valid_key_range(key_padding_mask: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """(B, 3) int32 per batch row: [first, end) of the keys that are not padding (end <= first
     when all are), and 1 when every key in that range is real (padding only at the ends), else
     0. The kernels skip the tiles outside the range, and with the flag set read no padding
-    mask for the whole tiles inside it. A few small device ops, no sync."""
+    mask for the whole tiles inside it. No sync. On a GPU (kernel=None) one Triton launch
+    (key_padding_range); on the CPU ten small torch ops, the same values."""
+    if kernel if kernel is not None else key_padding_mask.is_cuda:
+        return _key_padding_range_kernel(key_padding_mask)
     T = key_padding_mask.shape[1]
     index = torch.arange(T, device=key_padding_mask.device, dtype=torch.int32)
     valid = ~key_padding_mask
@@ -52,6 +55,18 @@ def valid_key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     end = torch.where(valid, index + 1, 0).amax(-1)
     contiguous = valid.sum(-1, dtype=torch.int32) == (end - first).clamp(min=0)
     return torch.stack([first, end, contiguous.to(torch.int32)], dim=-1)  # int32: T fits
+
+
+def _key_padding_range_kernel(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    B, T = key_padding_mask.shape
+    kpm = key_padding_mask.contiguous().view(torch.uint8)
+    out = torch.empty((B, 3), dtype=torch.int32, device=kpm.device)
+    block = min(1024, max(16, 1 << (T - 1).bit_length()))  # 7 specialisations at most
+    triton_launch.launch(
+        kernels("attention").key_padding_range, (B,), (kpm, out, T, kpm.stride(0)),
+        dict(BLOCK=block, num_warps=4),
+    )  # fmt: skip
+    return out
 
 
 def _mask_args(q, k, attn_mask, key_padding_mask):
