@@ -242,6 +242,35 @@ def test_append_writes_exactly_the_new_positions_in_place(backend, layout, kerne
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
+@pytest.mark.parametrize(
+    "layout, page_size", [("contiguous", 16), ("hf", 16), ("paged", 1), ("paged", 5), ("paged", 16)]
+)
+@pytest.mark.parametrize("Tnew", [1, 7])
+def test_append_kernel_writes_the_bits_torch_indexing_writes(layout, page_size, Tnew):
+    """The one-launch Triton append (what a GPU runs) against torch's indexed writes, bit for
+    bit, every other slot untouched, strided new rows; positions past the capacity are not
+    written (torch's indexing would raise)."""
+    from fusedattn.ops.decode import append
+
+    B, S, Hkv, D, Dv = 3, 40, 2, 24, 16
+    kc, vc, bt = make_cache(B, S, Hkv, D, Dv, torch.bfloat16, layout, page_size, fill=5.0)
+    g = torch.Generator().manual_seed(Tnew)
+    seq = torch.tensor([0, 17, S - Tnew], dtype=torch.int32).to(kc.device)
+    k = torch.randn(B, Hkv, Tnew, D, generator=g, device="cpu").transpose(1, 2).to(kc.device)
+    v = torch.randn(B, Tnew, Hkv, Dv, generator=g, device="cpu").to(kc.device)
+    want_k, want_v = kc.clone(), vc.clone()
+    append(want_k, want_v, k.bfloat16(), v.bfloat16(), seq, bt, kernel=False)
+    append(kc, vc, k.bfloat16(), v.bfloat16(), seq, bt, kernel=True)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    # at or past the capacity (a paged cache's last page may hold slots past S): no write
+    capacity = S if bt is None else bt.shape[1] * page_size
+    before_k, before_v = kc.clone(), vc.clone()
+    append(kc, vc, k.bfloat16(), v.bfloat16(), seq + capacity, bt, kernel=True)
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+
+
 @pytest.mark.parametrize(
     "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 )

@@ -276,3 +276,40 @@ def decode_combine(
     lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
     tl.store(LSE + (b * Hq + h) * Tq + qi, lse)
+
+
+@triton.jit
+def append_kv(
+    K, V, K_CACHE, V_CACHE, SEQLENS, BLOCK_TABLE,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    skc_b, skc_t, skc_h, svc_b, svc_t, svc_h, sbt_b,
+    Tnew, Hkv, D, Dv, capacity, num_rows,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """The in-place append of attention_with_kvcache: new key/value row (b, t, h) of k, v
+    (B, Tnew, Hkv, D[v]) goes to cache position seqlens[b] + t of sequence b (through
+    block_table when PAGED), one program per row. One launch where torch's indexed writes took
+    about ten ops (the host time of a decode step). Positions at or past the capacity and pages
+    outside the cache are not written (the caller guarantees the room, as with flash-attention;
+    torch's indexing would raise or assert on the device)."""
+    pid = tl.program_id(0)
+    h = pid % Hkv
+    t = (pid // Hkv) % Tnew
+    b = (pid // (Hkv * Tnew)).to(tl.int64)
+    pos = tl.load(SEQLENS + b).to(tl.int64) + t
+    ok = pos < capacity
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + b * sbt_b + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        ok = ok & (page >= 0) & (page < num_rows)
+        row = page
+        slot = pos % PAGE_SIZE
+    else:
+        row = b
+        slot = pos
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(K + b * sk_b + t * sk_t + h * sk_h + d, mask=d < D)
+    tl.store(K_CACHE + row * skc_b + slot * skc_t + h * skc_h + d, x, mask=ok & (d < D))
+    dv = tl.arange(0, BLOCK_DV)
+    y = tl.load(V + b * sv_b + t * sv_t + h * sv_h + dv, mask=dv < Dv)
+    tl.store(V_CACHE + row * svc_b + slot * svc_t + h * svc_h + dv, y, mask=ok & (dv < Dv))
