@@ -14,7 +14,9 @@ length mask (where it compiles), fusedattn's prefill kernel with bottom-right ca
 FlashInfer's decode wrapper where it is installed (skipped with a line where not). Paged rows
 time fusedattn's kernels and its torch backend (which gathers the pages). The last rows time
 `generate` (tokens/s) of a 2-layer model with Llama-3-8B's layer shapes and random weights,
-attn_implementation "fusedattn" against "sdpa".
+attn_implementation "fusedattn" against "sdpa". On a GPU, "-graph" rows replay
+fusedattn's decode kernel and SDPA's flash and cuDNN backends from a CUDA graph (the kernels'
+time without the host's, as a serving stack runs a step).
 
 op is "decode" (mask = the cache layout: contiguous, paged16, paged256) or "generate"; Tk is
 the cache length; the CSV's ms is per call.
@@ -117,6 +119,28 @@ def baselines(q, k, v, Tq, device, quick=False) -> dict:
     return impls
 
 
+GRAPHED = ("fusedattn-triton", "sdpa-flash", "sdpa-cudnn")  # the "-graph" rows
+
+
+def graphed(impls: dict, B, L, Tq, layout) -> dict:
+    """ "<impl>-graph": fusedattn's decode kernel and SDPA's fastest backends replayed from a
+    CUDA graph, as serving stacks run a decode step: the kernels' time without the host's
+    (at batch 1 the eager calls are bound by host time per call). Impls that fail to run or
+    to capture are left out with a line."""
+    out = {}
+    for name in GRAPHED:
+        if name not in impls:
+            continue
+        try:
+            with torch.inference_mode():
+                impls[name]()  # eager first: a refusal is not a capture failure
+                out[f"{name}-graph"] = harness.cuda_graph(impls[name])
+        except (RuntimeError, ValueError) as exc:
+            print(f"  decode {name}-graph: not run for B={B} L={L} Tq={Tq} {layout}: "
+                  f"{str(exc).splitlines()[0][:100]}")  # fmt: skip
+    return out
+
+
 def flex_decoding(qh, k, v, Tq):
     """FlexAttention under torch.compile (its decoding kernel for short query blocks), or None
     with the reason printed."""
@@ -187,6 +211,8 @@ def decode_rows(quick, device, env) -> list[dict]:
         if layout == "contiguous":
             k, v = dense(k_cache, table, B, L), dense(v_cache, table, B, L)
             impls |= baselines(q, k, v, Tq, device, quick)
+        if device.type == "cuda":
+            impls |= graphed(impls, B, L, Tq, layout)
         first = dict(q=q[:1], k=k_cache, v=v_cache, table=None if table is None else table[:1])
         with torch.inference_mode():
             truth = reference.attention_with_kvcache(

@@ -144,6 +144,29 @@ def back_to_back_ms(fn: Callable[[], object], calls: int, repeats: int = 5) -> l
     return samples
 
 
+def cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn captured in a CUDA graph: a callable that replays it and returns the graph's own
+    output (rewritten by each replay). Serving stacks replay decode steps this way, which
+    takes the host's time per call out of the step; a call that syncs or reads device values
+    on the host cannot be captured (raises). Warmed up on a side stream first, as torch's
+    documentation asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def time_stats(fn: Callable[[], object], *, device: torch.device, reps: int = 5):
     """(median milliseconds of fn(), spread of the repeats)."""
     if device.type == "cuda":

@@ -369,3 +369,37 @@ def test_auto_runs_on_cpu_and_the_decode_order_puts_triton_first_on_gpus():
     )
     assert backends.AUTO_ORDER["cuda"]["attention_with_kvcache"][0] == "triton"
     assert decode_ops.dense_cache(kc, None, 1).shape == (1, 2, 4, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_device")
+def test_decode_step_with_append_replays_from_a_cuda_graph():
+    """Serving stacks replay decode steps from CUDA graphs (no host time per step), so the
+    Triton path, append included, must capture (no sync, no host read of a device value) and
+    a replay must follow inputs updated in place: the next query and the advanced lengths."""
+    B, S, Hkv, Hq, D = 2, 64, 2, 4, 16
+    kc, vc, bt = make_cache(B, S, Hkv, D, D, torch.bfloat16, "paged", 16, fill=0.0)
+    seq = torch.tensor([10, 40], dtype=torch.int32, device="cuda")
+    q, k1, v1 = (torch.randn(B, 1, h, D, device="cuda", dtype=torch.bfloat16)
+                 for h in (Hq, Hkv, Hkv))  # fmt: skip
+
+    def step():
+        return fusedattn.attention_with_kvcache(q, kc, vc, k1, v1, cache_seqlens=seq,
+                                                block_table=bt, backend="triton")  # fmt: skip
+
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(3):  # each step: a new query and new k/v, one more key per sequence
+            for t in (q, k1, v1):
+                t.copy_(torch.randn_like(t))
+            graph.replay()
+            want = step()  # eager, the same state: the append rewrites the same slots
+            assert torch.equal(out, want)
+            seq += 1

@@ -104,7 +104,9 @@ def test_the_results_block_shows_decode_and_model_runs_once_a_gpu_has_measured_t
     decode = dict(op="decode", mode="fwd", dtype="bfloat16", H=32, Tq=1, D=128, causal=False,
                   B=1, Tk=32768, mask="contiguous", **{"pass": "yes"})  # fmt: skip
     timed = {"fusedattn-triton": (0.0125, 85.2), "sdpa-flash": (0.05, 21.0),
-             "sdpa-cudnn": (0.04, 26.5), "fusedattn-torch": (0.2, 5.0)}  # fmt: skip
+             "sdpa-cudnn": (0.04, 26.5), "fusedattn-torch": (0.2, 5.0),
+             "fusedattn-triton-graph": (0.01, 95.4), "sdpa-flash-graph": (0.045, 23.6),
+             "sdpa-cudnn-graph": (0.03, 35.4)}  # fmt: skip
     rows = [harness.make_row(env, **decode, impl=impl, ms=ms, pct_of_copy=pct)
             for impl, (ms, pct) in timed.items()]  # fmt: skip
     rows.append(harness.make_row(env, op="generate", mode="infer", impl="fusedattn", B=8, Tq=128,
@@ -117,7 +119,13 @@ def test_the_results_block_shows_decode_and_model_runs_once_a_gpu_has_measured_t
     harness.write_csv(models, tmp_path / "h200" / "model.csv")
     monkeypatch.setattr(headline, "RESULTS", tmp_path)
     text = headline.markdown()
-    assert "| 1, 32k, contiguous | 85 % (12 µs) | 5 % (200 µs) | 26 % (40 µs) | — | — |" in text
+    # eager and CUDA-graph columns kept apart; flashinfer and Flex, never measured, left out
+    assert ("| batch, cache, layout | fusedattn-triton | fusedattn-torch | sdpa (best) | "
+            "fusedattn-triton-graph | sdpa-graph (best) |") in text  # fmt: skip
+    assert (
+        "| 1, 32k, contiguous | 85 % (12 µs) | 5 % (200 µs) | 26 % (40 µs) | 95 % (10 µs) | 35 % (30 µs) |"
+        in text
+    )
     assert "**generate**, tokens/s, 2 layers of Llama-3-8B shape, batch 8" in text
     assert "fusedattn 2048" in text
     assert "| bert-base-padded, train, 2048 | OOM | — | 163.8k | — | — |" in text
