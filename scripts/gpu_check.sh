@@ -15,8 +15,9 @@
 # Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host) and
 # tune-triton-masks (the Triton kernels with a dense bool or float attn_mask, ~3 x 26
 # candidates: the masked loops reshaped without a GPU; CSV under masks/), bench-decode
-# (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s) and
-# bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call).
+# (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s),
+# bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call) and
+# profile-model (auto's choices, step time and top kernels of each swapped model variant).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -176,5 +177,9 @@ step tune-cuda 120 $PYTHON scripts/tune_attention.py --out "$out_dir"
 step tune-cuda-bwd 120 $PYTHON scripts/tune_cuda_backward.py --out "$out_dir"
 step tune-norms 240 $PYTHON scripts/tune_norms.py --out "$out_dir"
 step profile-norms 120 $PYTHON scripts/profile_norms.py --n 1024,4096,32768
+# Why auto's inference rows trailed torch on the H200 (model.csv, 2026-11-27): auto's choices,
+# step times and top kernels of each swapped variant
+step profile-model 100 $PYTHON scripts/profile_model.py --model gpt2-small --T 512
+step profile-model:bert 100 $PYTHON scripts/profile_model.py --model bert-base-padded --T 2048
 echo "== gpu-check done: status $status; files in $out_dir"
 exit "$status"

@@ -2,6 +2,7 @@
 quick run of each family writing a CSV whose rows pass the k× check."""
 
 import dataclasses
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -388,3 +389,24 @@ def test_parallel_warm_up_runs_every_case_in_child_processes_and_never_fails_the
     text = capsys.readouterr().out
     assert "child boom" in text and "case 2: fusedattn-triton: refused" in text
     assert "compiled 3 cases' kernels" in text
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_profile_model_prints_autos_choices_and_the_step_time(capsys):
+    """scripts/profile_model.py (a gpu_check step: why auto's H200 inference rows trailed
+    torch) on the CPU's tiny model: each variant's step time, every auto call's key and the
+    backend it ran, a profiler table."""
+    spec = importlib.util.spec_from_file_location(
+        "profile_model", ROOT / "scripts" / "profile_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--impls", "torch,auto", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "== torch:" in out and "== auto:" in out and "ms per infer step" in out
+    assert (
+        "auto:   2 x attention ('fwd', 'float32', 64, True, 'key_padding', '<=1k') -> torch" in out
+    )
+    assert "x layer_norm ('fwd', 'float32', '<=1k') -> torch" in out
