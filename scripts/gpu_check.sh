@@ -92,22 +92,41 @@ sharded_pytest() {  # sharded_pytest NAME SHARDS PYTEST_ARGS...
   return "$rc"
 }
 
-# The Triton and CUDA test selections at once (11 + 4 processes on the 16 cores): on the H100
-# the Triton grid alone did not finish in 240 s on 8 processes, nor in 300 s on 11 (about 330
-# of its 547 tests ran; the CUDA tests, 200, took 105 s beside it). GPU_TESTS_PART=0/2 and
-# 1/2 split the Triton grid over two calls (the CUDA tests run in the first).
-gpu_tests() {
+# The GPU test selection. With pytest-xdist (the GPU image has it): one pytest over the Triton
+# and CUDA selections together on 15 workers that take tests as they free up (--dist
+# worksteal), so no core idles while another worker has a queue of slow Triton compiles; on
+# the H200 (2026-11-27) the fixed shards below finished 3 of 11 in 300 s (one shard ran 16 of
+# its 55 tests) while the 4 CUDA processes sat idle after 105 s. A CUDA fault kills one
+# worker, which xdist reports and replaces. The log is written as tests end, so the step's
+# time limit keeps every outcome so far.
+# Without xdist, the Triton and CUDA selections at once in fixed shards (11 + 4 processes):
+# on the H100 the Triton grid alone did not finish in 240 s on 8 processes, nor in 300 s on
+# 11 (about 330 of its 547 tests ran; the CUDA tests, 200, took 105 s beside it).
+# GPU_TESTS_PART=0/2 and 1/2 split the selection over two calls (the shard-based fallback
+# runs the CUDA tests in the first).
+gpu_tests() {  # (the selections live here: a step runs in a new bash, which no array reaches)
   local rc=0 part=${GPU_TESTS_PART:-0/1}
-  PART=$part sharded_pytest triton 11 -m "gpu or kernels" tests/test_attention.py \
-    tests/test_attention_tma.py tests/test_attention_variants.py tests/test_empty_inputs.py \
-    tests/test_layernorm.py tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py \
-    tests/test_decode.py &
+  local triton_tests=(tests/test_attention.py tests/test_attention_tma.py
+    tests/test_attention_variants.py tests/test_empty_inputs.py tests/test_layernorm.py
+    tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py tests/test_decode.py)
+  local cuda_tests=(tests/test_cuda_attention.py tests/test_cuda_attention_fused_bwd.py
+    tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py)
+  if $PYTHON -c "import xdist" 2>/dev/null; then
+    local shard=()
+    [[ ${part#*/} == 1 ]] || shard=(--shard "$part")
+    $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" --dist worksteal -v -rs --tb=short \
+      --durations=25 "${shard[@]}" -m "gpu or kernels" "${triton_tests[@]}" "${cuda_tests[@]}" \
+      >"$out_dir/gpu-tests.log" 2>&1
+    rc=$?
+    tail -n 1 "$out_dir/gpu-tests.log"
+    grep -h "^FAILED\|^ERROR\| FAILED \| ERROR \|crashed" "$out_dir/gpu-tests.log" | head -40
+    return "$rc"
+  fi
+  PART=$part sharded_pytest triton 11 -m "gpu or kernels" "${triton_tests[@]}" &
   local triton=$! cuda=
   # The CUDA C++ kernels in their own processes: a kernel fault cannot take the rest down.
   if [[ ${part%/*} == 0 ]]; then
-    PART=0/1 sharded_pytest cuda 4 -m "gpu or kernels" tests/test_cuda_attention.py \
-      tests/test_cuda_attention_fused_bwd.py \
-      tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py &
+    PART=0/1 sharded_pytest cuda 4 -m "gpu or kernels" "${cuda_tests[@]}" &
     cuda=$!
   fi
   trap 'kill -TERM $triton $cuda 2>/dev/null; wait; exit 124' TERM
