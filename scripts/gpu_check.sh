@@ -4,9 +4,10 @@
 # network is assumed: nothing is downloaded (a Liger-Kernel wheel carried in .whl/ is
 # installed for the norm baselines). Each step has a time limit; a failing step does not stop
 # the others. GPU_CHECK_STEPS picks steps, in this order; two presets:
-#   check   (default) build info bench-attention gpu-tests (all four may pass one device
-#           call of 8 minutes: run "build info bench-attention" first, then the Triton
-#           grid's two halves, below)
+#   check   (default) build info bench-attention gpu-tests (on the H200, 2026-11-27, one
+#           call with GPU_CHECK_DEADLINE=555: build 61 s, bench-attention 172 s, the tests
+#           cut at 300 s with 444 of the 600 Triton tests and all 200 CUDA ones run, before
+#           the tests ran on work-stealing workers)
 #   measure build tune-triton bench-norms bench-model host (fits one call)
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
 # tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-cuda-bwd (the CUDA
