@@ -13,12 +13,13 @@
 # tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-cuda-bwd (the CUDA
 # attention's fused backward against its two-kernel one, ~60 s), tune-norms (the Triton
 # LayerNorm/RMSNorm/softmax warp counts and backward row paths), profile-norms (where the
-# Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host) and
+# Triton norms' fwd+bwd loses 0.2-0.5 ms on the H100: kernels, allocator, host),
 # tune-triton-masks (the Triton kernels with a dense bool or float attn_mask, ~3 x 26
 # candidates: the masked loops reshaped without a GPU; CSV under masks/), bench-decode
 # (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s),
-# bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call) and
-# profile-model (auto's choices, step time and top kernels of each swapped model variant).
+# bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call),
+# profile-model (auto's choices, step time and top kernels of each swapped model variant),
+# tune-decode (the decode kernel's key splits against half, 2x and 4x, ~60 s).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -170,6 +171,8 @@ step gpu-tests 300 gpu_tests
 step bench-decode 300 $PYTHON benchmarks/run_all.py --quick --no-plots --only decode \
   --out "$out_dir"
 step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
+# the decode kernel's key splits: the chosen count against half, 2x, 4x, from CUDA graphs
+step tune-decode 120 $PYTHON scripts/tune_decode.py --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
 step tune-triton-masks 180 $PYTHON scripts/tune_triton_attention.py --cases d128m,d128cm,d128cmf \
   --out "$out_dir/masks" --jobs 16

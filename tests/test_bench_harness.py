@@ -410,3 +410,19 @@ def test_profile_model_prints_autos_choices_and_the_step_time(capsys):
         "auto:   2 x attention ('fwd', 'float32', 64, True, 'key_padding', '<=1k') -> torch" in out
     )
     assert "x layer_norm ('fwd', 'float32', '<=1k') -> torch" in out
+
+
+def test_tune_decode_times_each_split_count_and_checks_it_against_the_chosen_one():
+    """scripts/tune_decode.py (a gpu_check step: the decode kernel's key splits, the paged-16
+    cache at batch 8 was 1.68x contiguous on the H200) on a tiny paged case in the interpreter:
+    the chosen split count and its neighbours, each output within fp32 merging of the chosen."""
+    spec = importlib.util.spec_from_file_location(
+        "tune_decode", ROOT / "scripts" / "tune_decode.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.tune_case(2, 64, "paged16", torch.device("cpu"), torch.float32, 4, 2, 16, None)
+    splits = [r["num_splits"] for r in rows]
+    assert splits == sorted(set(splits)) and len(splits) >= 2
+    assert sum(r["chosen"] for r in rows) == 1
+    assert all(r["max_abs_diff"] < 1e-5 and r["ms"] > 0 for r in rows)
