@@ -19,7 +19,8 @@
 # (attention_with_kvcache against SDPA, Flex, the prefill kernel; generate tokens/s),
 # bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call),
 # profile-model (auto's choices, step time and top kernels of each swapped model variant),
-# tune-decode (the decode kernel's key splits against half, 2x and 4x, ~60 s).
+# tune-decode (the decode kernel's key splits against half, 2x and 4x, ~60 s), first-use
+# (issue #17: an installed wheel without _C, backend="cuda" compiling it on first use).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -171,6 +172,8 @@ step gpu-tests 300 gpu_tests
 step bench-decode 300 $PYTHON benchmarks/run_all.py --quick --no-plots --only decode \
   --out "$out_dir"
 step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
+# issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
+step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"
 # the decode kernel's key splits: the chosen count against half, 2x, 4x, from CUDA graphs
 step tune-decode 120 $PYTHON scripts/tune_decode.py --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16
