@@ -129,7 +129,7 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
                                   dtype=str(case.dtype)[6:], B=B, H=case.cfg.n_heads, Tq=T,
                                   Tk=T, D=case.cfg.d_model)  # fmt: skip
                     try:
-                        ms = harness.time_ms(fn, device=device, reps=3)
+                        ms, spread = harness.time_stats(fn, device=device, reps=3)
                         peak = harness.peak_memory_mb(fn, device=device)
                     except torch.cuda.OutOfMemoryError:
                         torch.cuda.empty_cache()
@@ -138,7 +138,8 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
                         print(f"  model {case.name} {mode} {impl} T={T}: out of memory")
                         continue
                     row = harness.make_row(env, **fields, ms=ms, peak_mem_mb=peak,
-                                           tokens_per_s=B * T / (ms * 1e-3),
+                                           tokens_per_s=B * T / (ms * 1e-3), spread=spread,
+                                           note=harness.noisy(spread).lstrip("; ") or None,
                                            **{"pass": verdict})  # fmt: skip
                     harness.progress(row)
                     rows.append(row)
