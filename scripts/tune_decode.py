@@ -41,11 +41,9 @@ CPU_CASES = ((2, 256, "paged16"),)
 
 
 def chosen_splits(B: int, L: int, hq: int, hkv: int, dim: int, device) -> int:
-    """What num_splits=0 picks for one new query per sequence (as ops/decode.py does)."""
-    K = kernels("decode")
-    cfg = K.decode_config(hq // hkv, dim, dim, device.type == "cuda")
-    sms = decode._sm_count(device.index or 0) if device.type == "cuda" else decode.INTERPRETER_SMS
-    return K.choose_splits(B * hkv, L, sms, cfg.block_n)
+    """What num_splits=0 picks for one new query per sequence (ops/decode.py's own rule)."""
+    cfg = kernels("decode").decode_config(hq // hkv, dim, dim, device.type == "cuda")
+    return decode.default_splits(cfg, B * hkv, L, device)
 
 
 def write(rows: list[dict], path: Path | None) -> None:

@@ -102,6 +102,13 @@ def _sm_count(index: int) -> int:
 INTERPRETER_SMS = 4  # what the CPU interpreter pretends to have, so num_splits=0 splits there
 
 
+def default_splits(cfg, programs: int, capacity: int, device: torch.device) -> int:
+    """The key splits num_splits=0 picks for `programs` (sequence, kv head, query block)
+    programs over a cache of `capacity` keys (choose_splits: two programs per SM)."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+    return kernels("decode").choose_splits(programs, capacity, sms, cfg.block_n)
+
+
 def _triton_refusals(*, q, k_cache, v_cache, alibi_slopes=None, **_inputs) -> list[str]:
     reasons = []
     if q.dtype not in KERNEL_DTYPES:
@@ -132,8 +139,7 @@ def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if num_splits == 0:
-        sms = _sm_count(q.device.index or 0) if q.is_cuda else INTERPRETER_SMS
-        num_splits = K.choose_splits(B * Hkv * m_blocks, capacity, sms, cfg.block_n)
+        num_splits = default_splits(cfg, B * Hkv * m_blocks, capacity, q.device)
     split = num_splits > 1
     part_o = part_lse = None
     if split:
@@ -196,6 +202,7 @@ def append(k_cache, v_cache, k, v, seqlens, block_table, *, kernel: bool | None 
     if B * Tnew * Hkv == 0:
         return
     D, Dv = k.shape[-1], v.shape[-1]
+    cfg = kernels("decode").decode_config(1, D, Dv, k_cache.is_cuda)  # its head-dim blocks
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     paged = block_table is not None
@@ -206,9 +213,8 @@ def append(k_cache, v_cache, k, v, seqlens, block_table, *, kernel: bool | None 
         *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
         Tnew, Hkv, D, Dv, capacity, k_cache.shape[0],
     )  # fmt: skip
-    block = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
     constexprs = dict(PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-                      BLOCK_D=block(D), BLOCK_DV=block(Dv), num_warps=1)  # fmt: skip
+                      BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=1)  # fmt: skip
     triton_launch.launch(kernels("decode").append_kv, (B * Tnew * Hkv,), args, constexprs)
 
 
