@@ -11,11 +11,18 @@ Python on the path (validation, dispatch, autograd, the launch arguments, Triton
 launcher) runs and is timed. Without either, the kernel launches themselves are skipped
 (Triton's launcher excluded; the note column says which).
 
+Decoding (`attention_with_kvcache`, inference only: fwd rows) is timed where its kernels do not
+run in the interpreter (a GPU, or `--sm90-tool`): one step at batch 1 with Llama-3-8B's heads
+over a 1k cache, with and without appending the new token's k, v. Under the stub the CPU is
+given an H100's/H200's 132 SMs, so the key split and its combine launch are timed as on those
+cards, and the append takes its GPU path (one append_kv launch, not torch's indexed writes).
+On the H200 such a step took 157-181 µs, the host's time (benchmarks/results/h200/decode.csv).
+
 Run it from two checkouts (PYTHONPATH) on the same machine to compare host cost before and
 after a change; the CSV's host_us column holds the median of 7 repeats of 200 calls.
 
 `--check-launches` (with `--sm90-tool`) first checks the launch cache (ops/triton_launch.py):
-for attention variants, the norms and softmax, forward and backward, every launch through the
+for attention variants, the norms, softmax and decoding, forward and backward, every launch through the
 cache must hand Triton's launcher the same compiled kernel, grid and arguments as Triton's own
 path; it exits 1 on a difference.
 """
@@ -23,6 +30,7 @@ path; it exits 1 on a difference.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import statistics
@@ -35,6 +43,8 @@ import torch
 
 SHAPE = (1, 2, 64, 64)  # attention (B, H, T, D)
 ROWS = (64, 1024)  # the norms and softmax: (M, N)
+DECODE = (1, 32, 8, 128, 1024)  # decoding (B, Hq, Hkv, D, cache length): Llama-3-8B's heads
+STUB_SMS = 132  # H100 SXM and H200: what num_splits=0 splits for under the sm_90 stub
 
 
 _stubbed = False
@@ -52,6 +62,13 @@ def stub_driver_launch(tool_path: str) -> None:
     spec.loader.exec_module(tool)
     tool.install()
     from triton.compiler import compiler
+
+    from fusedattn.ops import decode
+
+    # decoding as on a GPU: the split for a GPU's SMs (the interpreter's 4 would not split a
+    # batch-1 step), and the append through its kernel (CPU tensors take torch's writes)
+    decode.INTERPRETER_SMS = STUB_SMS
+    decode.append = functools.partial(decode.append, kernel=True)
 
     def no_handles(self):
         self.module, self._run = "stub", lambda *args, **kwargs: None
@@ -76,13 +93,25 @@ def _same_launch_arg(a, b) -> bool:
 
 def _launch_cases(fusedattn, dtype) -> dict:
     """{name: call} covering every Triton kernel: attention plain and causal with ragged key
-    padding, the norms on rows long enough for the looped backward, softmax."""
+    padding, the norms on rows long enough for the looped backward, softmax, and decoding with
+    an append (contiguous cache split over keys; paged with left padding and causal)."""
     T, N = 80, 40000
     q, k, v = (torch.randn(2, 3, T, 64, dtype=dtype, requires_grad=True) for _ in range(3))
     kpm = torch.zeros(2, T, dtype=torch.bool)
     kpm[1, 70:] = True
     x = torch.randn(6, N, dtype=dtype, requires_grad=True)
     w, b = (torch.randn(N, dtype=dtype, requires_grad=True) for _ in range(2))
+    # decoding: a split contiguous cache and a paged one with left padding, each appending
+    q1, k1, v1 = (torch.randn(2, 1, h, 64, dtype=dtype) for h in (4, 2, 2))
+    k_cache, v_cache = (torch.randn(2, 300, 2, 64, dtype=dtype) for _ in range(2))
+    k_pages, v_pages = (torch.randn(40, 16, 2, 64, dtype=dtype) for _ in range(2))
+    table = torch.randperm(40, dtype=torch.int32)[:36].view(2, 18)
+    lengths = torch.tensor([250, 17], dtype=torch.int32)
+    leftpad = torch.tensor([0, 5], dtype=torch.int32)
+    decode_paged = functools.partial(
+        fusedattn.attention_with_kvcache, q1, k_pages, v_pages, k1, v1, is_causal=True,
+        cache_seqlens=lengths, block_table=table, cache_leftpad=leftpad, backend="triton",
+    )  # fmt: skip
     return {
         "attention": lambda: fusedattn.attention(q, k, v, backend="triton"),
         "attention causal+kpm": lambda: fusedattn.attention(
@@ -91,6 +120,10 @@ def _launch_cases(fusedattn, dtype) -> dict:
         "layer_norm": lambda: fusedattn.layer_norm(x, (N,), w, b, backend="triton"),
         "rms_norm": lambda: fusedattn.rms_norm(x, (N,), w, backend="triton"),
         "softmax": lambda: fusedattn.softmax(x, -1, backend="triton"),
+        "decode+append": lambda: fusedattn.attention_with_kvcache(
+            q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths, backend="triton"
+        ),
+        "decode paged+append": decode_paged,
     }
 
 
@@ -116,7 +149,8 @@ def check_launches(fusedattn) -> list[str]:
             def launches(call=call):
                 received.clear()
                 out = call()
-                out.backward(torch.ones_like(out))
+                if out.requires_grad:  # decoding has no backward
+                    out.backward(torch.ones_like(out))
                 return list(received)
 
             triton_launch.ENABLED, triton_launch._launches = False, {}
@@ -175,12 +209,12 @@ def run(args) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
-    # The norms' launches are skipped only by the sm_90 stub (without it the interpreter would
-    # run them): on a CPU without --sm90-tool, attention alone.
-    norms = device.type == "cuda" or bool(args.sm90_tool)
-    for op, call, leaves, fields in cases(fusedattn, device, dtype, norms):
+    # The other ops' launches are skipped only by the sm_90 stub (without it the interpreter
+    # would run them): on a CPU without --sm90-tool, attention alone.
+    every_op = device.type == "cuda" or bool(args.sm90_tool)
+    for op, call, leaves, fields in cases(fusedattn, device, dtype, every_op):
         out = call()
-        grad = torch.randn_like(out)
+        grad = torch.randn_like(out) if leaves else None
 
         def fwd(call=call):
             with torch.no_grad():
@@ -192,7 +226,8 @@ def run(args) -> list[dict]:
         def fwd_bwd(call=call, leaves=leaves, grad=grad):
             return torch.autograd.grad(call(), leaves, grad)
 
-        for mode, fn in (("fwd", fwd), ("bwd", bwd), ("fwd+bwd", fwd_bwd)):
+        modes = (("fwd", fwd), ("bwd", bwd), ("fwd+bwd", fwd_bwd)) if leaves else (("fwd", fwd),)
+        for mode, fn in modes:
             us, spread = host_us(fn, sync=sync)
             row = harness.make_row(
                 env, op=op, mode=mode, impl="fusedattn-triton" + args.label,
@@ -204,8 +239,9 @@ def run(args) -> list[dict]:
     return rows
 
 
-def cases(fusedattn, device, dtype, norms: bool):
-    """(op, call() -> out, leaves that get gradients, shape columns) per measured call."""
+def cases(fusedattn, device, dtype, every_op: bool):
+    """(op, call() -> out, leaves that get gradients (none: inference only, fwd alone), shape
+    columns) per measured call; attention alone unless every_op."""
     q, k, v = (torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     B, H, T, D = SHAPE
     for causal in (False, True):
@@ -215,7 +251,7 @@ def cases(fusedattn, device, dtype, norms: bool):
             (q, k, v),
             dict(B=B, H=H, Tq=T, Tk=T, D=D, causal=causal),
         )
-    if not norms:
+    if not every_op:
         return
     M, N = ROWS
     x = torch.randn(ROWS, device=device, dtype=dtype, requires_grad=True)
@@ -230,6 +266,25 @@ def cases(fusedattn, device, dtype, norms: bool):
     if hasattr(fusedattn, "rms_norm"):  # checkouts older than RMSNorm (run via PYTHONPATH)
         yield "rmsnorm", lambda: fusedattn.rms_norm(x, (N,), w, backend="triton"), (x, w), shape
     yield "softmax", lambda: fusedattn.softmax(x, -1, backend="triton"), (x,), shape
+    if not hasattr(fusedattn, "attention_with_kvcache"):  # checkouts older than decoding
+        return
+    B, Hq, Hkv, D, L = DECODE
+    q = torch.randn(B, 1, Hq, D, device=device, dtype=dtype)
+    k_cache, v_cache = (
+        torch.randn(B, L + 64, Hkv, D, device=device, dtype=dtype) for _ in range(2)
+    )  # fmt: skip
+    k, v = (torch.randn(B, 1, Hkv, D, device=device, dtype=dtype) for _ in range(2))
+    lengths = torch.full((B,), L, device=device, dtype=torch.int32)  # the append writes at L
+    for appended, layout in ((None, "contiguous"), (k, "contiguous+append")):
+        yield (
+            "decode",
+            lambda kv=appended: fusedattn.attention_with_kvcache(
+                q, k_cache, v_cache, kv, None if kv is None else v, cache_seqlens=lengths,
+                backend="triton",
+            ),
+            (),
+            dict(B=B, H=Hq, Tq=1, Tk=L, D=D, mask=layout),
+        )  # fmt: skip
 
 
 def main(argv=None) -> int:

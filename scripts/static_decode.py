@@ -32,6 +32,8 @@ CASES = {
     "paged16_tq1": dict(paged=16, Tq=1, split=True),
     "paged256_tq1": dict(paged=256, Tq=1, split=True),
     "paged16_tq4_causal_window": dict(paged=16, Tq=4, split=True, window=(4095, 0)),
+    # Hugging Face's decode step: its (B, Hkv, S, D) cache read in place, the mask's last row
+    "hf_layout_key_mask_tq1": dict(paged=0, Tq=1, split=True, hf=True),
 }
 
 
@@ -62,8 +64,10 @@ def load_widths(ptx: str) -> dict:
     return widths
 
 
-def compile_one(tool_path: str, name: str) -> dict:
-    tool = _load_tool(tool_path)
+def launch_args(name: str):
+    """(args, constexprs with the launch options, config) of case `name`, laid out as
+    ops/decode.py launches attention_decode (a CPU test binds them to the kernel's signature,
+    so a new kernel parameter cannot silently break this screen again)."""
     import torch
 
     from fusedattn.triton_kernels import decode as K
@@ -78,9 +82,13 @@ def compile_one(tool_path: str, name: str) -> dict:
     if page:
         kc = torch.empty(B * S // page, page, HKV, D, **bf16)
         table = torch.empty(B, S // page, dtype=torch.int32)
+    elif c.get("hf"):
+        kc = torch.empty(B, HKV, S, D, **bf16).transpose(1, 2)
+        table = None
     else:
         kc = torch.empty(B, S, HKV, D, **bf16)
         table = None
+    key_mask = torch.empty(B, S, dtype=torch.bool) if c.get("hf") else None
     out = torch.empty(B, Tq, HQ, D, **bf16)
     lse = torch.empty(B, HQ, Tq)
     splits = 33 if c["split"] else 1
@@ -89,19 +97,27 @@ def compile_one(tool_path: str, name: str) -> dict:
     seqlens = torch.empty(B, dtype=torch.int32)
     left, right = c.get("window", (-1, -1))
     args = (
-        q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None,
+        q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None, key_mask,
         *q.stride()[:3], *kc.stride()[:3], *kc.stride()[:3], *out.stride()[:3],
-        table.stride(0) if page else 0, 0, Tq, HQ, HKV, D, D, group, 1, splits,
+        table.stride(0) if page else 0, 0, S if c.get("hf") else 0, Tq, HQ, HKV, D, D, group, 1, splits,
         D**-0.5, 0.0, left, right,
     )  # fmt: skip
     constexprs = dict(
         HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,
-        HAS_RIGHT=right >= 0,
-        SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, SPLIT=c["split"], PRECISION="tf32",
+        HAS_RIGHT=right >= 0, SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False,
+        SPLIT=c["split"], HAS_KEY_MASK=bool(c.get("hf")), PRECISION="tf32",
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
+    return args, constexprs, cfg
+
+
+def compile_one(tool_path: str, name: str) -> dict:
+    tool = _load_tool(tool_path)
+    from fusedattn.triton_kernels import decode as K
+
+    args, constexprs, cfg = launch_args(name)
     compiled = K.attention_decode.warmup(*args, grid=(1,), **constexprs)
     row = dict(case=name, tiles=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}")
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}

@@ -426,3 +426,51 @@ def test_tune_decode_times_each_split_count_and_checks_it_against_the_chosen_one
     assert splits == sorted(set(splits)) and len(splits) >= 2
     assert sum(r["chosen"] for r in rows) == 1
     assert all(r["max_abs_diff"] < 1e-5 and r["ms"] > 0 for r in rows)
+
+
+def test_static_decode_screen_lays_out_the_kernels_parameters():
+    """scripts/static_decode.py builds attention_decode's arguments by hand: each case binds to
+    the kernel's signature (it once missed a parameter added later and screened nothing)."""
+    import inspect
+
+    from fusedattn.triton_kernels import decode as K
+
+    spec = importlib.util.spec_from_file_location(
+        "static_decode", ROOT / "scripts" / "static_decode.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    signature = inspect.signature(K.attention_decode.fn)
+    for name in module.CASES:
+        args, constexprs, _ = module.launch_args(name)
+        kernel_args = {k: v for k, v in constexprs.items() if k not in ("num_warps", "num_stages")}
+        bound = signature.bind(*args, **kernel_args)  # TypeError on a missing or extra one
+        assert set(bound.arguments) == set(signature.parameters), name
+
+
+def test_host_benchmark_times_decoding_as_inference_only(monkeypatch):
+    """Decoding has no backward: its rows are fwd alone, with the cache layout in `mask`."""
+    import argparse
+
+    import bench_host
+
+    from fusedattn.ops import attention_launch, backends
+
+    Launch = attention_launch.TritonAttentionLaunch
+    monkeypatch.setattr(Launch, "launch", Launch.__dict__["launch"])
+    monkeypatch.setattr(backends, "triton_interpreter_enabled", backends.triton_interpreter_enabled)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(bench_host, "host_us", lambda fn, **kw: (fn(), (50.0, 0.01))[1])
+    monkeypatch.setattr(bench_host, "DECODE", (1, 4, 2, 16, 40))  # interpreter-sized
+    every = bench_host.cases
+
+    def decode_only(fusedattn, device, dtype, every_op):
+        return [c for c in every(fusedattn, device, dtype, True) if c[0] == "decode"]
+
+    monkeypatch.setattr(bench_host, "cases", decode_only)
+    rows = bench_host.run(argparse.Namespace(sm90_tool=None, label=""))
+    assert [(r["op"], r["mode"], r["mask"], r["Tk"]) for r in rows] == [
+        ("decode", "fwd", "contiguous", 40),
+        ("decode", "fwd", "contiguous+append", 40),
+    ]
+    assert all(r["host_us"] == 50.0 and "NOISY" not in r["note"] for r in rows)
