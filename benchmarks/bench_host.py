@@ -22,9 +22,9 @@ Run it from two checkouts (PYTHONPATH) on the same machine to compare host cost 
 after a change; the CSV's host_us column holds the median of 7 repeats of 200 calls.
 
 `--check-launches` (with `--sm90-tool`) first checks the launch cache (ops/triton_launch.py):
-for attention variants, the norms, softmax and decoding, forward and backward, every launch through the
-cache must hand Triton's launcher the same compiled kernel, grid and arguments as Triton's own
-path; it exits 1 on a difference.
+for attention variants, the norms, softmax and decoding, forward and backward, every launch
+through the cache must hand Triton's launcher the same compiled kernel, grid and arguments as
+Triton's own path; it exits 1 on a difference.
 """
 
 from __future__ import annotations
@@ -63,12 +63,14 @@ def stub_driver_launch(tool_path: str) -> None:
     tool.install()
     from triton.compiler import compiler
 
-    from fusedattn.ops import decode
-
     # decoding as on a GPU: the split for a GPU's SMs (the interpreter's 4 would not split a
-    # batch-1 step), and the append through its kernel (CPU tensors take torch's writes)
-    decode.INTERPRETER_SMS = STUB_SMS
-    decode.append = functools.partial(decode.append, kernel=True)
+    # batch-1 step), and the append through its kernel (CPU tensors take torch's writes);
+    # checkouts older than decoding (run via PYTHONPATH) have neither
+    if importlib.util.find_spec("fusedattn.ops.decode") is not None:
+        from fusedattn.ops import decode
+
+        decode.INTERPRETER_SMS = STUB_SMS
+        decode.append = functools.partial(decode.append, kernel=True)
 
     def no_handles(self):
         self.module, self._run = "stub", lambda *args, **kwargs: None
@@ -268,23 +270,23 @@ def cases(fusedattn, device, dtype, every_op: bool):
     yield "softmax", lambda: fusedattn.softmax(x, -1, backend="triton"), (x,), shape
     if not hasattr(fusedattn, "attention_with_kvcache"):  # checkouts older than decoding
         return
-    B, Hq, Hkv, D, L = DECODE
-    q = torch.randn(B, 1, Hq, D, device=device, dtype=dtype)
+    # new names: the attention calls above read q, k, v when they run (this is a generator)
+    Bd, Hq, Hkv, Dd, L = DECODE
+    q_step = torch.randn(Bd, 1, Hq, Dd, device=device, dtype=dtype)
     k_cache, v_cache = (
-        torch.randn(B, L + 64, Hkv, D, device=device, dtype=dtype) for _ in range(2)
+        torch.randn(Bd, L + 64, Hkv, Dd, device=device, dtype=dtype) for _ in range(2)
     )  # fmt: skip
-    k, v = (torch.randn(B, 1, Hkv, D, device=device, dtype=dtype) for _ in range(2))
-    lengths = torch.full((B,), L, device=device, dtype=torch.int32)  # the append writes at L
-    for appended, layout in ((None, "contiguous"), (k, "contiguous+append")):
+    k_new, v_new = (torch.randn(Bd, 1, Hkv, Dd, device=device, dtype=dtype) for _ in range(2))
+    lengths = torch.full((Bd,), L, device=device, dtype=torch.int32)  # the append writes at L
+    for new, layout in (((None, None), "contiguous"), ((k_new, v_new), "contiguous+append")):
         yield (
             "decode",
-            lambda kv=appended: fusedattn.attention_with_kvcache(
-                q, k_cache, v_cache, kv, None if kv is None else v, cache_seqlens=lengths,
-                backend="triton",
+            lambda new=new: fusedattn.attention_with_kvcache(
+                q_step, k_cache, v_cache, *new, cache_seqlens=lengths, backend="triton"
             ),
             (),
-            dict(B=B, H=Hq, Tq=1, Tk=L, D=D, mask=layout),
-        )  # fmt: skip
+            dict(B=Bd, H=Hq, Tq=1, Tk=L, D=Dd, mask=layout),
+        )
 
 
 def main(argv=None) -> int:
