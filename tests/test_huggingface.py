@@ -296,3 +296,48 @@ def test_greedy_generation_decodes_through_the_kvcache_kernels(config, cache, ba
     assert all(n <= want for n, want in zip(lengths, full, strict=True))  # never the capacity
     if getattr(config(), "sliding_window", None) is None:
         assert lengths == full
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("config", DECODE_MODELS, ids=lambda c: c.__name__[:-7])
+@pytest.mark.parametrize(
+    "backend,prompts",
+    [("reference", (1, 3, 7, "padded")), pytest.param("triton", (3,), marks=pytest.mark.kernels)],
+)
+def test_unpadded_prompts_generate_as_eager_with_either_cache(config, cache, backend, prompts):
+    """Prompts of 1, 3 and 7 tokens with no padding, and a left-padded batch: every step's
+    logits and the tokens of HF's eager attention, dynamic and static cache alike. The
+    prefill of an empty static cache comes with no mask (transformers relies on SDPA's
+    top-left is_causal there) over max_cache_len keys, most of them unfilled slots; it was
+    attended bottom-right over all of them (first-step logits off by 0.25 for Llama)."""
+    eager = eager_twin(config())
+    ours = causal_lm(config(), f"fusedattn-{backend}", eager.state_dict())
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation=cache,
+              output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    for prompt in prompts:
+        torch.manual_seed(len(str(prompt)))
+        if prompt == "padded":
+            ids, mask = padded_batch(7)
+        else:
+            ids = torch.randint(3, 100, (1, prompt))
+            mask = torch.ones_like(ids)
+        got = ours.generate(ids, attention_mask=mask, **kw)
+        want = eager.generate(ids, attention_mask=mask, **kw)
+        assert torch.equal(got.sequences, want.sequences), prompt
+        for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"{prompt}, step {step}")
+
+
+def test_a_position_bias_without_a_mask_keeps_the_call_causal():
+    """T5's decoder hands a position bias and no mask (no padding): the bias joins the scores
+    and causality stays, as in transformers' sdpa path (it was dropped with the mask)."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    bias = torch.randn(1, 2, 5, 5)
+    got, _ = hf.attention_forward(module, q, k, v, None, position_bias=bias, backend="reference")
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf"))
+    )
+    torch.testing.assert_close(got, want.transpose(1, 2))

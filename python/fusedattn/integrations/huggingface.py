@@ -121,6 +121,17 @@ def attention_forward(
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         return _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
                        max_length_k, dropout, causal, window, variants)  # fmt: skip
+    Tq = query.shape[2]
+    if attention_mask is None and causal and 1 < Tq < key.shape[2]:
+        # transformers leaves out the mask of a causal call with more keys than queries in one
+        # case: the prefill of an empty static cache (its sdpa_mask relies on SDPA's top-left
+        # is_causal), the prompt in slots 0..Tq-1 and max_cache_len - Tq unfilled slots after
+        # it. Those slots are never attended: cut them off, as transformers' sdpa path does
+        # (the prompt then sits bottom-right and top-left at once).
+        key, value = key[:, :, :Tq], value[:, :, :Tq]
+        if position_bias is not None:
+            position_bias = position_bias[..., :Tq]
+    mask_holds_pattern = attention_mask is not None
     if position_bias is not None:  # a learned bias (T5-style) joins the mask
         attention_mask = position_bias if attention_mask is None else (
             position_bias.masked_fill(~attention_mask, float("-inf"))
@@ -129,8 +140,9 @@ def attention_forward(
         )  # fmt: skip
     if _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend):
         return _decode_step(query, key, value, attention_mask, causal, window, variants)
-    if attention_mask is not None:
-        # HF's mask holds the whole pattern (causal, window, padding), placed as HF placed it.
+    if mask_holds_pattern:
+        # HF's mask holds the whole pattern (causal, window, padding), placed as HF placed it;
+        # a position bias alone is no pattern (causality stays, as in transformers' sdpa path).
         causal, window = False, None
     out = attention(
         query, key, value, attention_mask, dropout_p=dropout, is_causal=causal,
