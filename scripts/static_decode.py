@@ -100,7 +100,7 @@ def launch_args(name: str):
         q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None, key_mask,
         *q.stride()[:3], *kc.stride()[:3], *kc.stride()[:3], *out.stride()[:3],
         table.stride(0) if page else 0, 0, S if c.get("hf") else 0, Tq, HQ, HKV, D, D, group, 1, splits,
-        D**-0.5, 0.0, left, right,
+        D**-0.5, 0.0, left, right, S, kc.shape[0],
     )  # fmt: skip
     constexprs = dict(
         HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,

@@ -70,36 +70,47 @@ def choose_splits(programs: int, capacity: int, sm_count: int, block_n: int) -> 
 
 
 @triton.jit
-def _key_rows(BLOCK_TABLE, b, tile, cols, col_ok, sk_b, sk_t, sv_b, sv_t, sbt_b,
+def _key_rows(BLOCK_TABLE, b, tile, cols, col_ok, sk_b, sk_t, sv_b, sv_t, sbt_b, num_rows,
               PAGED: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_SIZE: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
     """64-bit offsets of the tile's key rows in K and V: a contiguous cache's sequence b, one
     page (ONE_PAGE: one block-table entry), or an entry per key row (any page size; no entry
-    read for a position outside the sequence)."""
+    read for a position outside the sequence). A block-table entry outside the cache's
+    num_rows pages is clamped into them (_page): never a read outside the cache."""
     if ONE_PAGE:
-        page = tl.load(BLOCK_TABLE + b * sbt_b + (tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+        page = _page(tl.load(BLOCK_TABLE + b * sbt_b + (tile * BLOCK_N) // PAGE_SIZE), num_rows)
         slot = ((tile * BLOCK_N) % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
         return page * sk_b + slot * sk_t, page * sv_b + slot * sv_t
     if PAGED:
         page = tl.load(BLOCK_TABLE + b * sbt_b + cols // PAGE_SIZE, mask=col_ok, other=0)
-        page = page.to(tl.int64)
+        page = _page(page, num_rows)
         slot = (cols % PAGE_SIZE).to(tl.int64)
         return page * sk_b + slot * sk_t, page * sv_b + slot * sv_t
     return b * sk_b + cols.to(tl.int64) * sk_t, b * sv_b + cols.to(tl.int64) * sv_t
 
 
 @triton.jit
+def _page(entry, num_rows):
+    """A block-table entry as a 64-bit page index inside the cache's num_rows pages: a bad
+    entry (unchecked on a GPU) reads some page of the cache, a wrong answer for its sequence
+    but never an access outside the cache (two integer ops; hiding the page's keys instead
+    cost 38 more SASS instructions per key tile at page 16 on sm_90)."""
+    return tl.minimum(tl.maximum(entry, 0), num_rows - 1).to(tl.int64)
+
+
+@triton.jit
 def _whole_page_tiles(
     K, V, BLOCK_TABLE, b, hk, tile, seq_end, col_ok, d, dv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    sbt_b, D, Dv, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    sbt_b, D, Dv, num_rows, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """(K tile transposed, V tile) of a tile made of whole pages: one block-table entry per
-    page, each page's slots contiguous rows (16-byte loads along the head dim)."""
+    page, each page's slots contiguous rows (16-byte loads along the head dim); an entry
+    outside the cache's num_rows pages clamped into them (_page)."""
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     first = tile * PAGES + tl.arange(0, PAGES)
     pages = tl.load(BLOCK_TABLE + b * sbt_b + first, mask=first * PAGE_SIZE < seq_end, other=0)
-    pages = pages.to(tl.int64)[:, None, None]
+    pages = _page(pages, num_rows)[:, None, None]
     slot = tl.arange(0, PAGE_SIZE).to(tl.int64)[None, :, None]
     ok = tl.reshape(col_ok, (PAGES, PAGE_SIZE))[:, :, None]  # (pages, slots, 1)
     k = tl.load(K + pages * sk_b + slot * sk_t + hk * sk_h + d[None, None, :],
@@ -115,7 +126,7 @@ def attention_decode(
     KEY_MASK,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sbt_b, sal_b, skm_b,
     Tq, Hq, Hkv, D, Dv, group, num_m_blocks, num_splits, scale, softcap, window_left,
-    window_right,
+    window_right, capacity, num_rows,
     HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -130,6 +141,11 @@ def attention_decode(
     KEY_MASK (HAS_KEY_MASK; internal, the Hugging Face integration's): a (B, capacity) bool
     row of the positions the sequence's queries may see, holes allowed; keys outside it are
     neither loaded nor weighed.
+
+    Whatever the values of the lengths and the block table (checked on the host only on
+    request, a sync), nothing outside the caches, the block table or the lengths is read:
+    L_b is clamped to [0, capacity] (capacity: positions per sequence), leftpad_b to
+    [0, L_b], and a block-table entry outside [0, num_rows) clamped into it.
 
     PAGE_SIZE is a constexpr: the page and slot of a key are then a shift and a mask (a
     multiply for other sizes), not a division, and where the page size is a multiple of the
@@ -151,10 +167,10 @@ def attention_decode(
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + b * sq_b + qi.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    seq_end = tl.load(SEQLENS_K + b)
+    seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), capacity)
     seq_start = 0
     if HAS_LEFTPAD:
-        seq_start = tl.load(LEFTPAD + b)
+        seq_start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seq_end)
     pos = seq_end - Tq + qi  # each row's key position (bottom-right)
     lo = seq_start
     if HAS_LEFT:  # the first query's window starts here; no row sees a key before it
@@ -191,12 +207,12 @@ def attention_decode(
         if WHOLE_PAGES:
             kt, vt = _whole_page_tiles(
                 K, V, BLOCK_TABLE, b, hk, tile, seq_end, col_ok, d, dv, sk_b, sk_t, sk_h, sv_b,
-                sv_t, sv_h, sbt_b, D, Dv, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+                sv_t, sv_h, sbt_b, D, Dv, num_rows, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
             )  # fmt: skip
         else:
             k_row, v_row = _key_rows(
-                BLOCK_TABLE, b, tile, cols, col_ok, sk_b, sk_t, sv_b, sv_t, sbt_b, PAGED,
-                ONE_PAGE, PAGE_SIZE, BLOCK_N,
+                BLOCK_TABLE, b, tile, cols, col_ok, sk_b, sk_t, sv_b, sv_t, sbt_b, num_rows,
+                PAGED, ONE_PAGE, PAGE_SIZE, BLOCK_N,
             )  # fmt: skip
             kt = tl.load(K + k_row[None, :] + hk * sk_h + d[:, None],
                          mask=col_ok[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
@@ -290,15 +306,16 @@ def append_kv(
     """The in-place append of attention_with_kvcache: new key/value row (b, t, h) of k, v
     (B, Tnew, Hkv, D[v]) goes to cache position seqlens[b] + t of sequence b (through
     block_table when PAGED), one program per row. One launch where torch's indexed writes took
-    about ten ops (the host time of a decode step). Positions at or past the capacity and pages
-    outside the cache are not written (the caller guarantees the room, as with flash-attention;
-    torch's indexing would raise or assert on the device)."""
+    about ten ops (the host time of a decode step). Whatever the values (checked on the host
+    only on request), nothing outside the caches, the block table or the lengths is touched:
+    positions outside [0, capacity) and pages outside [0, num_rows) are not written, and no
+    block-table entry is read for them."""
     pid = tl.program_id(0)
     h = pid % Hkv
     t = (pid // Hkv) % Tnew
     b = (pid // (Hkv * Tnew)).to(tl.int64)
     pos = tl.load(SEQLENS + b).to(tl.int64) + t
-    ok = pos < capacity
+    ok = (pos >= 0) & (pos < capacity)
     if PAGED:
         page = tl.load(BLOCK_TABLE + b * sbt_b + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_rows)

@@ -438,3 +438,58 @@ def check_kvcache_args(
     # bottom-right, and kept so even when Tq equals the key count (lengths differ per sequence)
     window = make_window(is_causal, window_size, "bottom_right", None, None, alibi=False)
     return window, cache_seqlens
+
+
+def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
+    """Key positions per sequence: S of a contiguous cache, max_pages * page_size of a paged
+    one."""
+    if block_table is None:
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tnew: int) -> None:
+    """The values of attention_with_kvcache's lengths and block table, before anything is
+    written: cache_seqlens[b] in [0, capacity - Tnew] (room for the new keys), cache_leftpad[b]
+    in [0, cache_seqlens[b] + Tnew] (the first of the sequence's keys), and every block-table
+    entry of the pages a sequence reads or writes in [0, num_pages). Reads them to the host:
+    a device sync on a GPU (the CPU, the reference and torch backends always pay it; the
+    Triton kernels on a GPU only with FUSEDATTN_CHECK_VALUES=1, they never leave the cache's
+    bounds whatever the values). ValueError naming the first bad entry."""
+    capacity = kvcache_capacity(k_cache, block_table)
+    seqlens = cache_seqlens.detach().to("cpu", torch.int64)
+    bad = ((seqlens < 0) | (seqlens > capacity - Tnew)).nonzero()
+    if len(bad):
+        b = int(bad[0, 0])
+        room = f"room for the {Tnew} appended keys in " if Tnew else ""
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(seqlens[b])} is outside [0, {capacity - Tnew}] ({room}a "
+            f"cache of {capacity} positions per sequence); nothing was written"
+        )
+    ends = seqlens + Tnew
+    leftpad = torch.zeros_like(seqlens)
+    if cache_leftpad is not None:
+        leftpad = cache_leftpad.detach().to("cpu", torch.int64)
+        bad = ((leftpad < 0) | (leftpad > ends)).nonzero()
+        if len(bad):
+            b = int(bad[0, 0])
+            raise ValueError(
+                f"cache_leftpad[{b}] = {int(leftpad[b])} is outside [0, cache_seqlens[{b}] + "
+                f"Tnew] = [0, {int(ends[b])}]; nothing was written"
+            )
+    if block_table is None:
+        return
+    page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
+    table = block_table.detach().to("cpu", torch.int64)
+    first = torch.minimum(leftpad, seqlens) // page_size  # the append writes from seqlens on
+    last = (ends + page_size - 1) // page_size
+    pages = torch.arange(table.shape[1])
+    used = (pages >= first[:, None]) & (pages < last[:, None])
+    bad = (used & ((table < 0) | (table >= num_pages))).nonzero()
+    if len(bad):
+        b, p = (int(i) for i in bad[0])
+        raise ValueError(
+            f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache [0, "
+            f"{num_pages}) and sequence {b} uses page {p} (positions {p * page_size} .. "
+            f"{(p + 1) * page_size - 1}); nothing was written"
+        )

@@ -113,10 +113,10 @@ ATTENTION = [
 ]
 
 
-def _decode(dtype=torch.bfloat16, paged=False, **kwargs):
+def _decode(dtype=torch.bfloat16, paged=False, D=64, **kwargs):
     def call():
-        q = torch.zeros(2, 1, 4, 64, dtype=dtype)
-        shape = (5, 16, 2, 64) if paged else (2, 32, 2, 64)
+        q = torch.zeros(2, 1, 4, D, dtype=dtype)
+        shape = (5, 16, 2, D) if paged else (2, 32, 2, D)
         cache = torch.zeros(shape, dtype=dtype)
         table = dict(block_table=torch.zeros(2, 2, dtype=torch.int32)) if paged else {}
         kw = dict(cache_seqlens=20, **table, **kwargs)
@@ -128,13 +128,20 @@ def _decode(dtype=torch.bfloat16, paged=False, **kwargs):
 DECODE = [
     Feature("attention_with_kvcache, contiguous cache", _decode()),
     Feature("attention_with_kvcache, paged cache", _decode(paged=True)),
+    Feature("decode, fp32", _decode(torch.float32)),
+    Feature("decode, fp64", _decode(torch.float64)),
+    Feature("decode, head dim above 256", _decode(D=320)),
     Feature(
         "decode + window, sinks",
         _decode(is_causal=True, window_size=(8, 0), sinks=torch.zeros(4, dtype=torch.bfloat16)),
     ),
     Feature(
+        "decode + sinks in another dtype than q (fp32 with bf16)", _decode(sinks=torch.zeros(4))
+    ),
+    Feature(
         "decode + ALiBi, fp32", _decode(torch.float32, alibi_slopes=torch.ones(4), is_causal=True)
     ),
+    Feature("decode + ALiBi, fp16 / bf16", _decode(alibi_slopes=torch.ones(4), is_causal=True)),
     Feature("decode + softcap", _decode(softcap=30.0)),
     Feature("decode + return_lse", _decode(return_lse=True)),
 ]

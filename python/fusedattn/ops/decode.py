@@ -10,11 +10,12 @@ runs; the backends then see sequence b's keys at cache positions
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from .. import reference
-from ..checks import check_kvcache_args
+from ..checks import check_kvcache_args, check_kvcache_values, kvcache_capacity
 from ..masks import NO_WINDOW
 from ..reference.decode import append_to_cache
 from . import backends, triton_launch
@@ -137,7 +138,7 @@ def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask
     cfg = K.decode_config(group * Tq, D, Dv, q.is_cuda)
     m_blocks = -(-group * Tq // cfg.block_m)
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = kvcache_capacity(k_cache, block_table)
     if num_splits == 0:
         num_splits = default_splits(cfg, B * Hkv * m_blocks, capacity, q.device)
     split = num_splits > 1
@@ -167,7 +168,7 @@ def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask
         Hq if slopes is not None and slopes.dim() == 2 else 0,
         0 if key_mask is None else key_mask.stride(0),
         Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
-        window.right,
+        window.right, capacity, k_cache.shape[0],
     )  # fmt: skip
     constexprs = dict(
         HAS_LEFTPAD=leftpad is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
@@ -206,7 +207,7 @@ def append(k_cache, v_cache, k, v, seqlens, block_table, *, kernel: bool | None 
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = kvcache_capacity(k_cache, block_table)
     table = block_table.contiguous() if paged else None
     args = (
         k, v, k_cache, v_cache, seqlens.contiguous(), table, *k.stride()[:3], *v.stride()[:3],
@@ -255,7 +256,7 @@ def attention_with_kvcache(
     cache_seqlens: int32 (B,) or an int; cache_leftpad: int32 (B,) or None (0). With k, v
     (B, Tnew, Hkv, D[v]) they are first written into the cache in place at positions
     cache_seqlens[b] .. + Tnew - 1 (nothing else in the cache is written; the caller advances
-    cache_seqlens and guarantees the room). Sequence b's keys are then positions
+    cache_seqlens). Sequence b's keys are then positions
     cache_leftpad[b] .. L_b - 1, L_b = cache_seqlens[b] + Tnew, and query i sits at position
     L_b - Tq + i for is_causal, window_size and alibi_slopes (bottom-right). softcap, sinks,
     GQA/MQA, scale and a row that sees no key (0 output, lse -inf or the sink) as in
@@ -266,29 +267,54 @@ def attention_with_kvcache(
     Inference only: refused (ValueError) where autograd would record, i.e. with grad mode on
     and an input that requires grad; under torch.no_grad() or inference_mode() parameters
     that require grad (GPT-OSS's sinks) are fine.
+
+    Bad input raises before anything is written: the metadata and every refusal of the
+    backend first, then the values (cache_seqlens in [0, capacity - Tnew], cache_leftpad in
+    [0, cache_seqlens + Tnew], the block-table entries of the pages a sequence uses in
+    [0, num_pages)). Values are checked on the CPU and by the reference and torch backends; the
+    Triton kernels on a GPU skip the check (a host sync) unless FUSEDATTN_CHECK_VALUES=1, and
+    never read or write outside the caches, the block table or the lengths whatever the
+    values.
     """
     window, seqlens = check_kvcache_args(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
         is_causal, window_size, softcap, alibi_slopes, sinks, num_splits,
     )  # fmt: skip
+    Tnew = 0 if k is None else k.shape[1]
+    inputs = _inputs(
+        q, k_cache, v_cache, seqlens + Tnew if Tnew else seqlens, block_table, cache_leftpad,
+        None, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse,
+    )  # fmt: skip
+    # Every refusal, then the values, before anything is written into the caches.
+    impl = backends.select("attention_with_kvcache", backend, q.device, inputs)
+    if values_checked(q.is_cuda, impl.backend):
+        check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, Tnew)
     if k is not None:
         append(k_cache, v_cache, k, v, seqlens, block_table)
-        seqlens = seqlens + k.shape[1]
-    return _dispatch(
-        q, k_cache, v_cache, seqlens, block_table, cache_leftpad, None, scale, window, softcap,
-        alibi_slopes, sinks, num_splits, return_lse, backend,
-    )  # fmt: skip
+    return impl.run(**inputs)
 
 
-def _dispatch(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale,
-              window, softcap, alibi_slopes, sinks, num_splits, return_lse, backend):  # fmt: skip
-    inputs = dict(
+CHECK_VALUES_ENV = "FUSEDATTN_CHECK_VALUES"
+
+
+def values_checked(on_gpu: bool, backend: str, environ=os.environ) -> bool:
+    """Whether attention_with_kvcache reads its lengths and block table to the host to check
+    them: always on the CPU and in the reference and torch backends (they index with them);
+    for the Triton kernels on a GPU only with FUSEDATTN_CHECK_VALUES=1, since the sync would
+    stall every decode step and break CUDA-graph capture (the kernels clamp what they read
+    to the cache, the block table and the lengths, so bad values give a wrong answer for
+    that sequence, never an access outside them)."""
+    return not on_gpu or backend != "triton" or environ.get(CHECK_VALUES_ENV, "") == "1"
+
+
+def _inputs(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,
+            softcap, alibi_slopes, sinks, num_splits, return_lse) -> dict:  # fmt: skip
+    return dict(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k, block_table=block_table,
         cache_leftpad=cache_leftpad, key_mask=key_mask, scale=scale, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks,
         num_splits=int(num_splits), return_lse=return_lse,
     )  # fmt: skip
-    return backends.select("attention_with_kvcache", backend, q.device, inputs).run(**inputs)
 
 
 def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal=False,
@@ -299,6 +325,8 @@ def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal
     positions in between are neither read nor weighed. None: every slot is visible. Internal
     (the Hugging Face integration's); lengths stay on the device (no sync)."""
     B, S = q.shape[0], k_cache.shape[1]
+    # lengths derived on the device, valid by construction (an all-hidden row: 0 keys, its
+    # leftpad S past them, which every backend reads as no key): no value check, no sync
     if key_mask is None:
         seqlens, leftpad = S, None
     else:
@@ -311,7 +339,6 @@ def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal
     )  # fmt: skip
     if key_mask is not None and tuple(key_mask.shape) != (B, S):
         raise ValueError(f"key_mask must be (B, S) = ({B}, {S}), got {tuple(key_mask.shape)}")
-    return _dispatch(
-        q, k_cache, v_cache, seqlens, None, leftpad, key_mask, scale, window, softcap, None,
-        sinks, 0, False, backend,
-    )  # fmt: skip
+    inputs = _inputs(q, k_cache, v_cache, seqlens, None, leftpad, key_mask, scale, window,
+                     softcap, None, sinks, 0, False)  # fmt: skip
+    return backends.select("attention_with_kvcache", backend, q.device, inputs).run(**inputs)

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_kvcache_args
+from ..checks import check_kvcache_args, check_kvcache_values
 from .attention import attention
 
 
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Write k, v (B, Tnew, Hkv, D[v]) into the caches at positions cache_seqlens[b] ..
     cache_seqlens[b] + Tnew - 1 of each sequence, in place (through block_table when paged).
-    Indexed writes on the device: no sync; nothing else in the cache is touched. The caller
-    guarantees the room, as with flash-attention (an index past the cache fails in torch's
-    indexing, or the device asserts)."""
+    Indexed writes on the device: no sync; nothing else in the cache is touched. The values
+    were checked first (checks.check_kvcache_values): every index is inside the cache."""
     B, Tnew = k.shape[:2]
     if Tnew == 0 or B == 0:
         return
@@ -57,9 +56,10 @@ def attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
         is_causal, window_size, softcap, alibi_slopes, sinks, num_splits,
     )  # fmt: skip
+    Tnew = 0 if k is None else k.shape[1]
+    check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, Tnew)
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
-    Tnew = 0 if k is None else k.shape[1]
     return cached_attention(
         q, k_cache, v_cache, seqlens + Tnew, block_table, cache_leftpad, scale, window,
         softcap, alibi_slopes, sinks, return_lse,
