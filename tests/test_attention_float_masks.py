@@ -153,3 +153,66 @@ def test_calls_with_sinks_are_not_shifted_the_sink_wins_a_hugely_masked_row(back
     assert out[..., 4, :].abs().max() < 1e-6
     if lse is not None:
         assert torch.allclose(lse[0, :, 4], sinks)
+
+
+# Issue #50 item 8: the row's shift is its largest mask entry over the keys it can see. Each
+# case: (keywords, Tq, Tk, the row, the keys that row sees by position / padding).
+VISIBLE_ONLY = {
+    "window_top_left": (dict(window_size=(1, 0)), 6, 6, 3, [2, 3]),
+    "causal_top_left": (dict(is_causal=True), 6, 6, 3, [0, 1, 2, 3]),
+    "causal_bottom_right": (
+        dict(is_causal=True, causal_alignment="bottom_right"), 4, 7, 1, [0, 1, 2, 3, 4],
+    ),
+    "window_both_sides_bottom_right": (
+        dict(window_size=(1, 1), causal_alignment="bottom_right"), 4, 7, 1, [3, 4, 5],
+    ),
+    "key_padding": (dict(key_padding_mask=True), 6, 6, 3, [0, 1, 2, 3]),
+    "sinks_and_window": (dict(window_size=(1, 0), sinks=True), 6, 6, 3, [2, 3]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(VISIBLE_ONLY))
+def test_a_row_at_the_masking_value_on_every_visible_key_is_the_softmax_of_its_scores(
+    backend, case
+):
+    """The row holds finfo.min on every key it can see and 0 on the keys a window, causal or
+    key padding hides: exact arithmetic gives the softmax of its scores over the visible keys
+    (the mask is constant there). The shift used to be the maximum over all keys (0, from a
+    hidden key), leaving finfo.min in place: Triton returned 0 for the row, the reference
+    and torch the plain average. With sinks there is no shift: the sink takes the row and its
+    output is ~0, as float64 says."""
+    kwargs, Tq, Tk, row, seen = VISIBLE_ONLY[case]
+    kwargs = dict(kwargs)
+    B, H, D = 2, 2, 16
+    q = torch.randn(B, H, Tq, D)
+    k, v = torch.randn(B, H, Tk, D), torch.randn(B, H, Tk, D)
+    mask = torch.randn(B, 1, Tq, Tk)
+    hidden = torch.ones(Tk, dtype=torch.bool)
+    hidden[seen] = False
+    mask[:, :, row, ~hidden] = torch.finfo(torch.float32).min
+    mask[:, :, row, hidden] = 0.0
+    if kwargs.get("key_padding_mask"):
+        kwargs["key_padding_mask"] = hidden.expand(B, Tk).clone()  # keys 4, 5 padded
+    if kwargs.get("sinks"):
+        kwargs["sinks"] = torch.randn(H)
+    grad = torch.randn(B, H, Tq, D)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fusedattn.attention(*leaves, mask, backend=backend, return_lse=True, **kwargs) \
+        if backend != "torch" else (fusedattn.attention(*leaves, mask, backend=backend, **kwargs), None)  # fmt: skip
+    got = torch.autograd.grad(out, leaves, grad)
+    exact = mask.double()
+    if "sinks" not in kwargs:  # the mask is one constant over the row's visible keys
+        exact[:, :, row] = 0.0
+    truth = [t.double().requires_grad_() for t in (q, k, v)]
+    f64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+           for n, t in kwargs.items()}  # fmt: skip
+    want_out, want_lse = reference.attention(*truth, exact, return_lse=True, **f64)
+    want = torch.autograd.grad(want_out, truth, grad.double())
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=f"d{name}")
+    if lse is not None and "sinks" not in kwargs:  # the lse of the mask as given
+        shift = exact.new_zeros(B, 1, Tq)
+        shift[:, :, row] = torch.finfo(torch.float32).min
+        torch.testing.assert_close(lse.double(), want_lse + shift, rtol=1e-5, atol=1e-5)

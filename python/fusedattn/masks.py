@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class Window:
@@ -143,8 +145,11 @@ def merge_masks(
     return torch.where(visible, attn_mask, float("-inf"))
 
 
-def shift_float_mask(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A float attn_mask minus each row's largest entry (over keys), and that shift.
+def shift_float_mask(
+    attn_mask: torch.Tensor, visible: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float attn_mask minus each row's largest entry over the keys the row can see, and
+    that shift.
 
     Softmax does not change when one value is added to a whole row, so attention with the
     shifted mask is the same function; the lse comes out short by the shift (the caller adds
@@ -152,15 +157,41 @@ def shift_float_mask(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     (`masked_fill(mask == 0, -1e9)`, `finfo(dtype).min`) would otherwise round the scores
     away in fp32 (ulp 64 at 1e9) and make the kernels' lse-based backward give each key a
     probability near 1 (dv summing to the row's key count; issue #31). Shifted, such a row
-    is the softmax of its scores, what exact arithmetic gives. Rows whose largest entry is
-    not finite (all -inf, or a +inf) are left alone. The shift is taken detached: softmax's
-    invariance makes its gradient zero. Not for calls with sinks, whose logit does not move
-    with the row (there a large offset only makes the sink win, as it should).
+    is the softmax of its scores, what exact arithmetic gives. The maximum is taken over the
+    visible keys only (`visible`, bool broadcastable to the mask: key padding, causal, a
+    window; None = every key): a key the row cannot see must not set its shift, or a row at
+    finfo.min on every visible key next to a hidden 0 keeps its offset (issue #50 item 8).
+    The result then has the broadcast shape of the mask and `visible` (in fp32 if that is
+    larger than a half-precision mask), 0 on the hidden keys.
+    Rows whose largest
+    visible entry is not finite (none visible, all -inf, or a +inf) are left alone. The shift
+    is taken detached: softmax's invariance makes its gradient zero. Not for calls with
+    sinks, whose logit does not move with the row (there a large offset only makes the sink
+    win, as it should).
 
-    Returns (shifted mask in attn_mask's dtype and shape, shift of shape attn_mask.shape[:-1]
-    in attn_mask's dtype), or (attn_mask, None) for a bool mask or one with no keys."""
+    Returns (shifted mask, shift of the shifted mask's shape without its last dim), or (attn_mask, None) for a bool mask or one with no
+    keys."""
     if attn_mask.dtype == torch.bool or attn_mask.dim() == 0 or attn_mask.shape[-1] == 0:
         return attn_mask, None
-    row_max = attn_mask.detach().amax(dim=-1, keepdim=True)
+    entries = attn_mask.detach()
+    if visible is not None:
+        entries = entries.masked_fill(~visible, float("-inf"))
+    row_max = entries.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    return attn_mask - row_max, row_max.squeeze(-1)
+    if visible is None:
+        return attn_mask - row_max, row_max.squeeze(-1)
+    grows = torch.broadcast_shapes(attn_mask.shape, visible.shape) != attn_mask.shape
+    if grows and attn_mask.dtype in HALF_DTYPES:
+        # broadcast past the mask's own shape: its gradient is then summed back by autograd,
+        # in fp32 as the kernels sum theirs (a bf16 bias's exact zero gradient came out 0.22)
+        attn_mask, row_max = attn_mask.float(), row_max.float()
+    # Hidden entries are never weighed (and get no gradient): 0, not their value minus the
+    # visible maximum, which could reach 3.4e38 (0 - finfo.min) and overflow to inf inside a
+    # kernel before its positional rule drops the key (NaN dq in the Triton backward).
+    return torch.where(visible, attn_mask - row_max, 0.0), row_max.squeeze(-1)
+
+
+def visible_keys(key_padding_mask, window: Window, Tq: int, Tk: int, device=None):
+    """bool, broadcastable to (B, H, Tq, Tk): the keys a query may see by key padding and
+    position (not by attn_mask); None when every key is visible."""
+    return merge_masks(None, key_padding_mask, False, Tq, Tk, device, window=window)

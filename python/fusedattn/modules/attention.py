@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..masks import causal_mask, shift_float_mask
+from ..masks import NO_WINDOW, Window, causal_mask, shift_float_mask, visible_keys
 from ..ops import attention
 from ..reference.attention import attention_scores
 from ..reference.softmax import safe_softmax
@@ -317,7 +317,12 @@ class MultiheadAttention(FusedModule):
         )
         if not need_weights:
             return out, None
-        mask = None if attn_mask is None else shift_float_mask(attn_mask)[0]  # as the kernels
+        mask = None
+        if attn_mask is not None:  # shifted as the kernels saw it
+            Tq, Tk = q.shape[2], k.shape[2]
+            window = Window(-1, 0) if is_causal else NO_WINDOW
+            visible = visible_keys(key_padding_mask, window, Tq, Tk, q.device)
+            mask = shift_float_mask(attn_mask, visible)[0]
         scores = attention_scores(q, k, mask, is_causal, key_padding_mask=key_padding_mask)
         weights = safe_softmax(scores, dim=-1).to(out.dtype)
         return out, weights.mean(dim=1) if average else weights

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..checks import check_attention_args, check_varlen_args
-from ..masks import Window, alibi_bias, merge_masks, shift_float_mask
+from ..masks import Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from ..reference.attention import per_sequence
 from . import backends, flash_attention
 from .autocast import apply_autocast
@@ -201,7 +201,7 @@ def attention(
     (B, Hq, Tq) float32 when return_lse=True. A query that sees no key gives 0 output,
     0 gradients and lse = -inf (the sink with sinks). A float mask's finite values are
     finite, however large: without sinks each row is shifted by its largest mask entry
-    before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
+    over the keys it can see (key padding, causal, window) before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
     with -1e9 or finfo.min on every key gives the softmax of its scores.
     """
     cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
@@ -213,7 +213,8 @@ def attention(
     )  # fmt: skip
     shift = None
     if attn_mask is not None and sinks is None:  # exact, and a large offset kept exact
-        attn_mask, shift = shift_float_mask(attn_mask)
+        visible = visible_keys(key_padding_mask, window, q.shape[2], k.shape[2], q.device)
+        attn_mask, shift = shift_float_mask(attn_mask, visible)
     inputs = dict(
         q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=float(dropout_p), scale=scale,
         enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_attention_args, check_varlen_args
-from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask
+from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from .softmax import safe_softmax
 
 
@@ -80,7 +80,8 @@ def attention(
 
     With sinks, each head's sink logit joins the row's normaliser (a column whose value is
     0). A query row with no visible key gives 0 output, 0 gradients and lse = -inf (the sink
-    with sinks). Without sinks a float mask is shifted per row by its largest entry first
+    with sinks). Without sinks a float mask is shifted per row by its largest entry over the
+    keys the row can see first
     (masks.shift_float_mask: the same function, computed without rounding a large common
     offset away; the lse gets the shift back), as every backend does.
     """
@@ -94,7 +95,8 @@ def attention(
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # k too: dq sums dS * k
     shift = None
     if attn_mask is not None and sinks is None:
-        attn_mask, shift = shift_float_mask(attn_mask)
+        visible = visible_keys(key_padding_mask, window, q.shape[2], k.shape[2], q.device)
+        attn_mask, shift = shift_float_mask(attn_mask, visible)
     scores = attention_scores(
         q, k, attn_mask, scale=scale, key_padding_mask=key_padding_mask, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes,
