@@ -225,6 +225,9 @@ VARLEN_VARIANTS = {
     "everything": dict(
         window_size=(12, 3), causal_alignment="bottom_right", softcap=2.0, alibi="batch", sinks=True
     ),
+    "everything_but_softcap": dict(
+        window_size=(12, 3), causal_alignment="bottom_right", alibi="batch", sinks=True
+    ),
 }
 LENGTHS = ([33, 0, 70, 5, 1], [40, 9, 70, 1, 0])
 
@@ -324,8 +327,11 @@ def test_torch_backend_window_with_padding_float_mask_and_sinks(device):
         check("torch", SHAPES[1], torch.float32, variant)
 
 
-@pytest.mark.parametrize("name", ["plain", "bottom_right_causal"])
+@pytest.mark.parametrize(
+    "name", ["plain", "causal", "bottom_right_causal", "everything_but_softcap"]
+)
 def test_torch_backend_varlen(name, device):
+    """One SDPA call over the padded batch, each sequence's positions in the mask."""
     with torch.device(device):
         check_varlen("torch", torch.float32, VARLEN_VARIANTS[name])
 

@@ -7,6 +7,7 @@ kernel launched, and every backend (reference included) sees the same rules.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Sequence
 
@@ -493,3 +494,24 @@ def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tne
             f"{num_pages}) and sequence {b} uses page {p} (positions {p * page_size} .. "
             f"{(p + 1) * page_size - 1}); nothing was written"
         )
+
+
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
+                        max_seqlen_q: int, max_seqlen_k: int) -> tuple[list, list]:  # fmt: skip
+    """The prefix sums and max_seqlen of a packed batch, read to the host (a device sync: the
+    reference and the eager torch backend; the kernels trust them, as flash-attention's do):
+    each rises from 0 to its packed rows, and no sequence is longer than its max_seqlen.
+    Returns (cu_seqlens_q, cu_seqlens_k) as lists."""
+    bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for name, cu, total, longest in (("q", bounds[0], total_q, max_seqlen_q),
+                                     ("k", bounds[1], total_k, max_seqlen_k)):  # fmt: skip
+        steps = [b - a for a, b in itertools.pairwise(cu)]
+        if cu[0] != 0 or cu[-1] != total or min(steps, default=0) < 0:
+            raise ValueError(
+                f"cu_seqlens_{name} must rise from 0 to the {total} packed rows, got {cu}"
+            )
+        if max(steps, default=0) > longest:
+            raise ValueError(
+                f"max_seqlen_{name}={longest} is below a sequence of {max(steps)} rows"
+            )
+    return bounds

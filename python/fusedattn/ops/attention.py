@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from ..checks import check_attention_args, check_varlen_args
-from ..masks import Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
-from ..reference.attention import per_sequence
+from ..checks import check_attention_args, check_varlen_args, check_varlen_values
+from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from . import backends, flash_attention
 from .autocast import apply_autocast
+from .rowwise import tracing
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -118,14 +118,54 @@ def _torch_attention(
 
 def _torch_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, window,
-    return_lse, **kw,
+    return_lse, dropout_p, scale, softcap, sinks,
 ):  # fmt: skip
-    kw = {n: kw[n] for n in ("dropout_p", "scale", "softcap", "sinks")}
-    return per_sequence(
-        attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, return_lse, backend="torch", enable_gqa=q.shape[1] != k.shape[1],
-        **_public_window_args(window), **kw,
+    """One SDPA call over the batch gathered to (B, H, max_seqlen, D) on the device, no host
+    read of the lengths (torch.compile traces it; it ran one SDPA call per sequence after a
+    .tolist()): each sequence's key range and positions (bottom-right per sequence where the
+    window or ALiBi asks) in one (B, 1, Tq, Tk) mask, the output gathered back to the packed
+    rows. Rows past a sequence gather any row and are masked or dropped. Eager calls check
+    the prefix sums and max_seqlen on the host first, as the reference does."""
+    if not tracing():
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                            max_seqlen_k)  # fmt: skip
+    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    lens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    qd = _padded(q, cu_seqlens_q, max_seqlen_q)
+    kd, vd = _padded(k, cu_seqlens_k, max_seqlen_k), _padded(v, cu_seqlens_k, max_seqlen_k)
+    i = torch.arange(max_seqlen_q, device=q.device)[None, :, None]
+    j = torch.arange(max_seqlen_k, device=q.device)[None, None, :]
+    p = i + (lens_k - lens_q)[:, None, None] if window.bottom_right else i  # query positions
+    keep = j < lens_k[:, None, None]  # (B, Tq, Tk)
+    if window.right >= 0:
+        keep = keep & (j <= p + window.right)
+    if window.left >= 0:
+        keep = keep & (j >= p - window.left)
+    mask = keep[:, None]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.reshape(-1 if alibi_slopes.dim() == 2 else 1, q.shape[1], 1, 1)
+        bias = -slopes * (p - j).abs()[:, None].to(slopes.dtype)
+        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    out = _torch_attention(
+        qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[1], None, NO_WINDOW, softcap,
+        None, sinks, False,
     )  # fmt: skip
+    rows = torch.arange(q.shape[0], device=q.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+    pos = rows - cu_seqlens_q.long()[seq]
+    return out.transpose(1, 2)[seq, pos]  # (total_q, Hq, Dv)
+
+
+def _padded(x: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """Packed (total, H, D) rows -> (B, H, T, D): sequence b's rows first, then any rows (the
+    caller masks them)."""
+    B = cu_seqlens.shape[0] - 1
+    if x.shape[0] == 0:  # zeros, still connected to x for autograd
+        return x.new_zeros(B, x.shape[1], T, x.shape[2]) + x.sum()
+    index = (cu_seqlens[:-1].long()[:, None] + torch.arange(T, device=x.device)).clamp(
+        max=x.shape[0] - 1
+    )
+    return x[index].transpose(1, 2)
 
 
 # ---- reference: the naive twins --------------------------------------------------------------

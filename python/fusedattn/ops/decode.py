@@ -18,11 +18,11 @@ from .. import reference
 from ..checks import check_kvcache_args, check_kvcache_values, kvcache_capacity
 from ..masks import NO_WINDOW
 from ..reference.decode import append_to_cache
-from . import backends, triton_launch
+from . import backends, decode_ops, triton_launch
 from .attention import _torch_attention, _torch_refusals
 from .attention_launch import dot_flags
 from .flash_attention import MAX_HEAD_DIM
-from .rowwise import KERNEL_DTYPES, kernels, new_output
+from .rowwise import KERNEL_DTYPES, kernels, new_output, tracing
 
 # ---- reference ------------------------------------------------------------------------------
 
@@ -287,7 +287,11 @@ def attention_with_kvcache(
     )  # fmt: skip
     # Every refusal, then the values, before anything is written into the caches.
     impl = backends.select("attention_with_kvcache", backend, q.device, inputs)
-    if values_checked(q.is_cuda, impl.backend):
+    check_values = values_checked(q.is_cuda, impl.backend)
+    if tracing():  # torch.compile / jit.trace: the custom ops (decode_ops.py)
+        return decode_ops.record(q, k_cache, v_cache, k, v, seqlens, inputs, check_values,
+                                 impl.backend)  # fmt: skip
+    if check_values:
         check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, Tnew)
     if k is not None:
         append(k_cache, v_cache, k, v, seqlens, block_table)
@@ -341,4 +345,8 @@ def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal
         raise ValueError(f"key_mask must be (B, S) = ({B}, {S}), got {tuple(key_mask.shape)}")
     inputs = _inputs(q, k_cache, v_cache, seqlens, None, leftpad, key_mask, scale, window,
                      softcap, None, sinks, 0, False)  # fmt: skip
-    return backends.select("attention_with_kvcache", backend, q.device, inputs).run(**inputs)
+    impl = backends.select("attention_with_kvcache", backend, q.device, inputs)
+    if tracing():
+        return decode_ops.record(q, k_cache, v_cache, None, None, seqlens, inputs, False,
+                                 impl.backend)  # fmt: skip
+    return impl.run(**inputs)

@@ -9,13 +9,12 @@ sinks) runs in fp32 (fp64 kept).
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_attention_args, check_varlen_args
+from ..checks import check_attention_args, check_varlen_args, check_varlen_values
 from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from .softmax import safe_softmax
 
@@ -142,19 +141,9 @@ def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                  max_seqlen_k, alibi_slopes, return_lse, **kwargs):  # fmt: skip
     """A packed batch through a dense (B, H, T, D) attention, one sequence at a time (the
     sequence bounds are read to the host: reference and torch backends only)."""
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for name, bounds, total, longest in (
-        ("q", bounds_q, q.shape[0], max_seqlen_q), ("k", bounds_k, k.shape[0], max_seqlen_k),
-    ):  # fmt: skip
-        steps = [b - a for a, b in itertools.pairwise(bounds)]
-        if bounds[0] != 0 or bounds[-1] != total or min(steps, default=0) < 0:
-            raise ValueError(
-                f"cu_seqlens_{name} must rise from 0 to the {total} packed rows, got {bounds}"
-            )
-        if max(steps, default=0) > longest:
-            raise ValueError(
-                f"max_seqlen_{name}={longest} is below a sequence of {max(steps)} rows"
-            )
+    bounds_q, bounds_k = check_varlen_values(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k
+    )
     outs, lses = [], []
     for b in range(len(bounds_q) - 1):
         qs = q[bounds_q[b] : bounds_q[b + 1]].transpose(0, 1).unsqueeze(0)
