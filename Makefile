@@ -13,6 +13,10 @@ endif
 # sdist round trip test. pip install --no-build-isolation uses the environment's setuptools,
 # so pyproject's build requirements are installed here too (a new venv has setuptools 65).
 RUNTIME_DEPS := torch triton numpy pybind11 ninja pytest matplotlib transformers build
+# pytest-xdist: `make test` runs one worker per core (PYTEST_WORKERS=0 for one process)
+TEST_DEPS := pytest-xdist
+PYTEST_WORKERS ?= auto
+PYTEST_ARGS := -n $(PYTEST_WORKERS) --dist worksteal --durations=25
 BUILD_DEPS := "setuptools>=77" wheel
 LINT_DEPS := ruff clang-format
 CSRC := $(shell find csrc -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h')
@@ -26,6 +30,7 @@ OUT ?= .make/gpu-check
 
 deps:
 	@missing=$$(for m in $(RUNTIME_DEPS); do $(PYTHON) -c "import $$m" 2>/dev/null || echo $$m; done); \
+	$(PYTHON) -c "import xdist" 2>/dev/null || missing="$$missing $(TEST_DEPS)"; \
 	if [ -n "$$missing" ]; then echo "installing:" $$missing; $(PIP) install $$missing; fi
 
 install: deps
@@ -34,14 +39,14 @@ install: deps
 	@$(PYTHON) -m fusedattn.info --extension
 	@mkdir -p .make && touch $(INSTALL_STAMP)
 
-$(INSTALL_STAMP): setup.py pyproject.toml $(CSRC)
+$(INSTALL_STAMP): setup.py pyproject.toml Makefile $(CSRC)
 	$(MAKE) install
 
 test: $(INSTALL_STAMP)
-	$(PYTHON) -m pytest -m "not gpu" tests
+	$(PYTHON) -m pytest $(PYTEST_ARGS) -m "not gpu" tests
 
 test-fast: $(INSTALL_STAMP)
-	$(PYTHON) -m pytest -q -m "not gpu and not slow" tests
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS) -m "not gpu and not slow" tests
 
 test-gpu: $(INSTALL_STAMP)
 	$(PYTHON) -m pytest -m gpu tests

@@ -34,6 +34,8 @@ CASES = {
     "paged16_tq4_causal_window": dict(paged=16, Tq=4, split=True, window=(4095, 0)),
     # Hugging Face's decode step: its (B, Hkv, S, D) cache read in place, the mask's last row
     "hf_layout_key_mask_tq1": dict(paged=0, Tq=1, split=True, hf=True),
+    # paged prefill (varlen_attention with a block table): 64 packed new queries a sequence
+    "paged16_varlen_tq64_causal": dict(paged=16, Tq=64, split=False, varlen=True, window=(-1, 0)),
 }
 
 
@@ -78,7 +80,8 @@ def launch_args(name: str):
     cfg = K.decode_config(group * Tq, D, D, True)
     bf16 = dict(dtype=torch.bfloat16)
     B = 1
-    q = torch.empty(B, Tq, HQ, D, **bf16)
+    varlen = bool(c.get("varlen"))
+    q = torch.empty(B * Tq, HQ, D, **bf16) if varlen else torch.empty(B, Tq, HQ, D, **bf16)
     if page:
         kc = torch.empty(B * S // page, page, HKV, D, **bf16)
         table = torch.empty(B, S // page, dtype=torch.int32)
@@ -89,21 +92,26 @@ def launch_args(name: str):
         kc = torch.empty(B, S, HKV, D, **bf16)
         table = None
     key_mask = torch.empty(B, S, dtype=torch.bool) if c.get("hf") else None
-    out = torch.empty(B, Tq, HQ, D, **bf16)
-    lse = torch.empty(B, HQ, Tq)
+    out = torch.empty(q.shape, **bf16)
+    lse = torch.empty(HQ, B * Tq) if varlen else torch.empty(B, HQ, Tq)
+    cu_q = torch.empty(B + 1, dtype=torch.int32) if varlen else None
+    q_strides = (0, *q.stride()[:2]) if varlen else q.stride()[:3]
+    out_strides = (0, *out.stride()[:2]) if varlen else out.stride()[:3]
+    lse_strides = (0, lse.stride(0)) if varlen else lse.stride()[:2]
     splits = 33 if c["split"] else 1
     part_o = torch.empty(B, HKV, splits, group * Tq, D) if c["split"] else None
     part_lse = torch.empty(B, HKV, splits, group * Tq) if c["split"] else None
     seqlens = torch.empty(B, dtype=torch.int32)
     left, right = c.get("window", (-1, -1))
     args = (
-        q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None, key_mask,
-        *q.stride()[:3], *kc.stride()[:3], *kc.stride()[:3], *out.stride()[:3],
-        table.stride(0) if page else 0, 0, S if c.get("hf") else 0, Tq, HQ, HKV, D, D, group, 1, splits,
-        D**-0.5, 0.0, left, right, S, kc.shape[0],
+        q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None, key_mask, cu_q,
+        *q_strides, *kc.stride()[:3], *kc.stride()[:3], *out_strides, *lse_strides,
+        table.stride(0) if page else 0, 0, S if c.get("hf") else 0, Tq, HQ,
+        HKV, D, D, group, -(-group * Tq // cfg.block_m), splits, D**-0.5, 0.0, left, right, S,
+        kc.shape[0],
     )  # fmt: skip
     constexprs = dict(
-        HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,
+        VARLEN_Q=varlen, HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,
         HAS_RIGHT=right >= 0, SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False,
         SPLIT=c["split"], HAS_KEY_MASK=bool(c.get("hf")), PRECISION="tf32",
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

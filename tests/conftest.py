@@ -13,6 +13,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest-xdist worker per core: a worker's torch ops on more threads
+    # than that only contend with the other workers (on 2 cores, 2 threads each grew the
+    # suite's CPU time by half, 754 -> 1124 s)
+    torch.set_num_threads(1)
 # Kernel outputs start as NaN, so an element a kernel forgets to write fails the comparison.
 os.environ.setdefault("FUSEDATTN_POISON_OUTPUTS", "1")
 

@@ -28,6 +28,7 @@ def check(s: AttentionShape, dtype=torch.float32, layout="transposed", grad_of=A
     assert_op_kx(triton_attention, reference.attention, tensors, kwargs=kwargs, grad_of=grad_of)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", attention_shapes(), ids=str)
 def test_hard_shapes_fp32(shape, causal):

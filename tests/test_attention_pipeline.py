@@ -124,6 +124,7 @@ GPU = torch.cuda.is_available()
 DTYPE, HEAD_DIM = (torch.bfloat16, 128) if GPU else (torch.float32, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interior", [0, 1, 2, 3, 5])
 @pytest.mark.parametrize("case", CASES)
 def test_pipelined_loop_equals_the_plain_loop(monkeypatch, case, interior):
@@ -155,6 +156,7 @@ def test_pipelined_loop_equals_the_plain_loop(monkeypatch, case, interior):
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("pipelined_forward")
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
 @pytest.mark.parametrize("name", VARIANTS)
@@ -163,6 +165,7 @@ def test_pipelined_forward_variants_fp32(name, shape):
     check("triton", shape, torch.float32, VARIANTS[name])
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("pipelined_forward")
 @pytest.mark.parametrize(
     "name, dtype",
@@ -178,6 +181,7 @@ def test_pipelined_forward_variants_half(name, dtype):
     check("triton", AttentionShape(2, 2, 2, 150, 333, 64, 64), dtype, variant)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("pipelined_forward")
 def test_pipelined_forward_varlen():
     pipelined_or_skip(probe(torch.bfloat16, 64), probe(torch.bfloat16, 64))

@@ -86,6 +86,7 @@ def test_tma_forward_hard_shapes(shape, causal):
                  grad_of=ALL)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("tma_forward")
 @pytest.mark.parametrize(
     "name", ["window", "bottom_right_causal", "softcap", "sinks", "everything"]

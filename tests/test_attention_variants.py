@@ -78,6 +78,7 @@ def check(backend, s, dtype, variant, **kw):
     assert_op_kx(op, reference.attention, tensors, kwargs=kwargs, grad_of=grad_of)
 
 
+@pytest.mark.slow
 @kernels
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", VARIANTS)
@@ -85,6 +86,7 @@ def test_triton_variants_fp32(name, shape):
     check("triton", shape, torch.float32, VARIANTS[name])
 
 
+@pytest.mark.slow
 @kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", ["wide_window", "bottom_right_causal", "softcap", "everything"])
@@ -116,6 +118,7 @@ def merged_dkdv_boundaries(monkeypatch):
     monkeypatch.setattr(A, "attention_config", merged)
 
 
+@pytest.mark.slow
 @kernels
 @pytest.mark.usefixtures("merged_dkdv_boundaries")
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
@@ -248,6 +251,7 @@ def check_varlen(backend, dtype, variant):
     assert_op_kx(op, reference.varlen_attention, tensors, kwargs=kwargs, grad_of=grad_of)
 
 
+@pytest.mark.slow
 @kernels
 @pytest.mark.parametrize("name", VARLEN_VARIANTS)
 def test_triton_varlen_fp32(name):
@@ -504,6 +508,7 @@ def padding_pattern(pattern: str, T: int, bn: int) -> torch.Tensor:
     return kpm
 
 
+@pytest.mark.slow
 @kernels
 @pytest.mark.parametrize("pattern", ["right", "left", "both_ends", "hole", "scattered"])
 @pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])

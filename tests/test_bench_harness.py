@@ -99,6 +99,7 @@ def test_device_slug():
     assert harness.device_slug({"device": "cpu"}) == "cpu"
 
 
+@pytest.mark.slow
 def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys):
     import run_all
 
@@ -144,6 +145,7 @@ ON_GPU_THE_BENCH_RUNS = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @ON_GPU_THE_BENCH_RUNS
 def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     """The GPU-only fusedattn rows of the variant cases, run here through the interpreter so a
@@ -253,6 +255,7 @@ def test_model_benchmark_rows_on_cpu(tmp_path):
     assert any(r["speedup_vs_naive"] not in ("", 1.0) for r in rows)
 
 
+@pytest.mark.slow
 @ON_GPU_THE_BENCH_RUNS
 def test_model_benchmark_kernel_rows_run_through_the_interpreter(monkeypatch):
     """The GPU-only fusedattn-triton model rows, run here so a GPU session does not find
@@ -261,7 +264,12 @@ def test_model_benchmark_kernel_rows_run_through_the_interpreter(monkeypatch):
 
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
     monkeypatch.setattr(harness, "time_ms", lambda fn, device, reps=1: (fn(), 1.0)[1])
-    small = [dataclasses.replace(c, lengths=(32,), tokens=64)
+
+    def one_layer(cfg):  # every layer runs the same kernels: one of each kind is enough
+        return dataclasses.replace(cfg, n_encoder_layers=min(cfg.n_encoder_layers, 1),
+                                   n_decoder_layers=min(cfg.n_decoder_layers, 1))  # fmt: skip
+
+    small = [dataclasses.replace(c, lengths=(32,), tokens=64, cfg=one_layer(c.cfg))
              for c in bench_model.cases(True, torch.device("cpu"))]  # fmt: skip
     monkeypatch.setattr(bench_model, "cases", lambda quick, device: small)
     rows = bench_model.run(True, torch.device("cpu"), {"device": "cpu"})
@@ -269,6 +277,7 @@ def test_model_benchmark_kernel_rows_run_through_the_interpreter(monkeypatch):
     assert len(ours) == 4 and all(r["pass"] == "yes" for r in ours)
 
 
+@pytest.mark.slow
 def test_training_demo_rows_and_plot(tmp_path):
     import bench_demo
 
@@ -345,6 +354,7 @@ def test_rows_reach_the_csv_as_they_are_measured_so_a_stopped_run_keeps_them(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["softmax.csv"]  # no temporary file left
 
 
+@pytest.mark.slow
 @ON_GPU_THE_BENCH_RUNS
 def test_attention_warm_up_runs_each_cases_triton_calls_once(monkeypatch):
     """What run_all's parallel warm-up runs per case (through the interpreter here): the

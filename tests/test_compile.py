@@ -208,6 +208,7 @@ def _generation_models():
     return models
 
 
+@pytest.mark.slow
 @pytest.mark.kernels
 @pytest.mark.parametrize("config", ["llama", "mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("how", ["forward", "generation_config"])

@@ -10,6 +10,8 @@ from torch import nn
 
 import fusedattn
 
+pytestmark = pytest.mark.slow  # processes started per test: not in the quick subset
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -42,6 +42,7 @@ def test_the_docs_pages_exist_and_the_readme_links_them():
         assert f"(docs/{name}.md)" in readme
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page,code", PYTHON, ids=[f"{p}:{i}" for i, (p, _) in enumerate(PYTHON)])
 def test_python_blocks_run_as_written(page, code):
     if "transformers" in code:

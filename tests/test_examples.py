@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # processes started per test: not in the quick subset
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = {
     "swap_transformer.py": "loss ",

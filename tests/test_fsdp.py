@@ -6,8 +6,11 @@ context_parallel_attention over a sharded sequence (examples/context_parallel.py
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from distributed_helpers import run_group
+
+pytestmark = pytest.mark.slow  # processes started per test: not in the quick subset
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

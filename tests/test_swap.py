@@ -112,6 +112,7 @@ def run_and_compare(model, make_inputs, *, backend="torch", train=True, expect=(
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -149,6 +150,7 @@ class _Call(nn.Module):
         return self.fn(self.model, *args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -174,6 +176,7 @@ def test_nn_transformer_with_padding_and_causal_masks(train, batch_first, backen
     assert counts[("attention", backend)] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -89,6 +89,7 @@ def test_beam_of_one_is_greedy_and_decoding_stops_at_eos():
     assert lm.beam_search(prompt, 4, beam_size=3).shape[0] == 2
 
 
+@pytest.mark.slow
 def test_seq2seq_learns_to_reverse_digits_on_cpu():
     torch.manual_seed(0)
     torch.set_num_threads(2)

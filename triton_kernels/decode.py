@@ -123,10 +123,12 @@ def _whole_page_tiles(
 @triton.jit
 def attention_decode(
     Q, K, V, OUT, LSE, PART_O, PART_LSE, SEQLENS_K, LEFTPAD, BLOCK_TABLE, SLOPES, SINKS,
-    KEY_MASK,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sbt_b, sal_b, skm_b,
+    KEY_MASK, CU_SEQLENS_Q,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sl_b, sl_h,
+    sbt_b, sal_b, skm_b,
     Tq, Hq, Hkv, D, Dv, group, num_m_blocks, num_splits, scale, softcap, window_left,
     window_right, capacity, num_rows,
+    VARLEN_Q: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -137,7 +139,13 @@ def attention_decode(
     """One (sequence b, kv head hk, query block, key split) program. K strides: (sequence,
     position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
     (B, Hkv, num_splits, group * Tq, Dv) and PART_LSE (B, Hkv, num_splits, group * Tq) fp32
-    take the partials when SPLIT; otherwise OUT (B, Tq, Hq, Dv) and LSE (B, Hq, Tq).
+    take the partials when SPLIT; otherwise OUT (B, Tq, Hq, Dv) and LSE (B, Hq, Tq) (strides
+    sl_b, sl_h, 1).
+    VARLEN_Q (paged prefill, varlen_attention with a block table): the queries are packed,
+    sequence b's rows CU_SEQLENS_Q[b] .. CU_SEQLENS_Q[b + 1] - 1 of Q and OUT (their b
+    strides 0) and of LSE (Hq, total_q) along its last dim; Tq is then the longest sequence's
+    count, which sizes the grid and the partials, and each sequence's queries sit
+    bottom-right of its own keys.
     KEY_MASK (HAS_KEY_MASK; internal, the Hugging Face integration's): a (B, capacity) bool
     row of the positions the sequence's queries may see, holes allowed; keys outside it are
     neither loaded nor weighed.
@@ -159,23 +167,31 @@ def attention_decode(
     b = (bhk // Hkv).to(tl.int64)
     hk = bhk % Hkv
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_rows = group * Tq
-    row_ok = rows < n_rows
+    n_rows = group * Tq  # rows per (sequence, kv head) in the partials
+    q0 = 0  # the sequence's first query row (packed queries)
+    Tq_b = Tq
+    if VARLEN_Q:
+        q0 = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+        Tq_b = tl.load(CU_SEQLENS_Q + b + 1) - q0
+    row_ok = rows < group * Tq_b
     qi = rows // group  # query index
     h = hk * group + rows % group  # query head
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sq_b + qi.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
+    q_row = q0 + qi.to(tl.int64)
+    q = tl.load(Q + b * sq_b + q_row[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
     seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), capacity)
     seq_start = 0
     if HAS_LEFTPAD:
         seq_start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seq_end)
-    pos = seq_end - Tq + qi  # each row's key position (bottom-right)
+    pos = seq_end - Tq_b + qi  # each row's key position (bottom-right)
     lo = seq_start
     if HAS_LEFT:  # the first query's window starts here; no row sees a key before it
-        lo = tl.maximum(lo, seq_end - Tq - window_left)
+        lo = tl.maximum(lo, seq_end - Tq_b - window_left)
     hi = seq_end
+    if VARLEN_Q:  # a query block past the sequence's rows reads nothing
+        hi = tl.where(m_blk * BLOCK_M < group * Tq_b, hi, lo)
     # this split's key tiles: the sequence's tiles cut into num_splits runs of whole tiles
     first_tile = lo // BLOCK_N
     n_tiles = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) - first_tile, 0)
@@ -250,24 +266,33 @@ def attention_decode(
                  mask=row_ok[:, None] & (dv < Dv)[None, :])  # fmt: skip
         tl.store(PART_LSE + part, lse2, mask=row_ok)
     else:
-        tl.store(OUT + b * so_b + qi.to(tl.int64)[:, None] * so_t + h[:, None] * so_h + dv[None, :],
+        tl.store(OUT + b * so_b + q_row[:, None] * so_t + h[:, None] * so_h + dv[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (dv < Dv)[None, :])  # fmt: skip
-        tl.store(LSE + (b * Hq + h) * Tq + qi, lse2 * 0.6931471805599453, mask=row_ok)
+        tl.store(LSE + b * sl_b + h * sl_h + q_row, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
 def decode_combine(
-    PART_O, PART_LSE, OUT, LSE, SINKS, so_b, so_t, so_h, Tq, Hq, Hkv, Dv, group, num_splits,
-    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PART_O, PART_LSE, OUT, LSE, SINKS, CU_SEQLENS_Q, so_b, so_t, so_h, sl_b, sl_h, Tq, Hq, Hkv,
+    Dv, group, num_splits,
+    VARLEN_Q: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """One output row (sequence b, query i, head h): the splits' partials merged with their
     log2-sum-exp weights, summed over the split axis in one fixed order (deterministic, no
-    atomics); the sink joins the normaliser here."""
+    atomics); the sink joins the normaliser here. VARLEN_Q: packed queries as in
+    attention_decode (Tq the longest sequence's count; rows past a sequence's exit)."""
     pid = tl.program_id(0)
     h = pid % Hq
     bi = pid // Hq
     qi = bi % Tq
     b = (bi // Tq).to(tl.int64)
+    q_row = qi.to(tl.int64)
+    row_ok = qi >= 0  # true; a query row past its sequence stores nothing (VARLEN_Q)
+    if VARLEN_Q:
+        q0 = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+        row_ok = qi < tl.load(CU_SEQLENS_Q + b + 1) - q0
+        q_row += q0
     hk = h // group
     row = qi * group + h % group
     s = tl.arange(0, BLOCK_S)
@@ -288,10 +313,11 @@ def decode_combine(
     o = tl.where((w > 0.0)[:, None], o, 0.0)  # a split that saw nothing wrote 0, never NaN
     seen = total > 0.0
     out = tl.sum(o * w[:, None], axis=0) / tl.where(seen, total, 1.0)
-    tl.store(OUT + b * so_b + qi * so_t + h * so_h + dv, out.to(OUT.dtype.element_ty), mask=dv < Dv)
+    tl.store(OUT + b * so_b + q_row * so_t + h * so_h + dv, out.to(OUT.dtype.element_ty),
+             mask=row_ok & (dv < Dv))  # fmt: skip
     lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
-    tl.store(LSE + (b * Hq + h) * Tq + qi, lse)
+    tl.store(LSE + b * sl_b + h * sl_h + q_row, lse, mask=row_ok)
 
 
 @triton.jit

@@ -214,25 +214,30 @@ def check_attention_args(
 def check_varlen_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
     scale, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
-    causal_alignment="top_left",
+    causal_alignment="top_left", block_table=None,
 ) -> Window:  # fmt: skip
-    """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences); returns the
+    """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences, or with
+    block_table keys and values in a paged cache (num_pages, page_size, Hkv, D)); returns the
     normalised positional window. Reads no tensor values (no device sync): cu_seqlens and
     max_seqlen are trusted to describe the packing, as in flash-attention."""
+    paged = block_table is not None
     check_tensor("q", q, dims=3, layout="(total_q, Hq, D)")
-    check_tensor("k", k, dims=3, layout="(total_k, Hkv, D)")
-    check_tensor("v", v, dims=3, layout="(total_k, Hkv, Dv)")
+    if paged:
+        check_tensor("k", k, dims=4, layout="(num_pages, page_size, Hkv, D) with a block_table")
+        check_tensor("v", v, dims=4, layout="(num_pages, page_size, Hkv, Dv) with a block_table")
+    else:
+        check_tensor("k", k, dims=3, layout="(total_k, Hkv, D)")
+        check_tensor("v", v, dims=3, layout="(total_k, Hkv, Dv)")
     check_float_dtype("q", q)
     check_same("k", k, "q", q)
     check_same("v", v, "q", q)
     _, Hq, D = q.shape
-    total_k, Hkv, Dk = k.shape
+    *rows, Hkv, Dk = k.shape
     if Dk != D:
         raise ValueError(f"k must have q's head dim {D} in its last dimension, got {Dk}")
-    if v.shape[0] != total_k or v.shape[1] != Hkv:
-        raise ValueError(
-            f"v must have k's rows and heads ({total_k}, {Hkv}, Dv), got {shape_str(v.shape)}"
-        )
+    if list(v.shape[:-1]) != [*rows, Hkv]:
+        want = shape_str((*rows, Hkv, "Dv"))
+        raise ValueError(f"v must have k's rows and heads {want}, got {shape_str(v.shape)}")
     if D == 0 or v.shape[-1] == 0:
         raise ValueError("q, k and v must have a head dim of at least 1")
     check_heads(Hq, Hkv, enable_gqa)  # SDPA's rule, as in fusedattn.attention
@@ -257,9 +262,47 @@ def check_varlen_args(
         window_size, softcap, alibi_slopes, sinks, causal_alignment,
         batch=cu_seqlens_q.shape[0] - 1, heads=Hq, device=q.device,
     )  # fmt: skip
-    return make_window(
+    window = make_window(
         is_causal, window_size, causal_alignment, None, None, alibi=alibi_slopes is not None
     )
+    if paged:
+        _check_paged_prefill(q, k, v, cu_seqlens_q, block_table, dropout_p, window,
+                             alibi_slopes, sinks)  # fmt: skip
+    return window
+
+
+def _check_paged_prefill(q, k, v, cu_seqlens_q, block_table, dropout_p, window, alibi_slopes,
+                         sinks) -> None:  # fmt: skip
+    """varlen_attention over a paged cache: inference only, as attention_with_kvcache, with
+    the queries the last of each sequence's keys (bottom-right)."""
+    B = cu_seqlens_q.shape[0] - 1
+    check_tensor("block_table", block_table, dims=2, layout="(B, max_pages) int32")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.shape[0] != B or block_table.device != q.device:
+        raise ValueError(
+            f"block_table must be (B, max_pages) = ({B}, ...) on {q.device}, got "
+            f"{shape_str(block_table.shape)} on {block_table.device}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the paged {name} must have a unit last stride, got {t.stride()}")
+    if dropout_p > 0.0:
+        raise ValueError("varlen_attention with a block_table is inference only: no dropout")
+    if (window.bounded or alibi_slopes is not None) and not window.bottom_right:
+        raise ValueError(
+            "varlen_attention with a block_table: each sequence's queries are its last keys "
+            "(chunked prefill, a prefix-cache hit), so is_causal, window_size and alibi_slopes "
+            "need causal_alignment='bottom_right'"
+        )
+    tensors = dict(q=q, k=k, v=v, sinks=sinks, alibi_slopes=alibi_slopes)
+    grads = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and grads:
+        raise ValueError(
+            f"varlen_attention with a block_table is inference only and has no backward, but "
+            f"{', '.join(grads)} require grad with grad mode on: call it under torch.no_grad() "
+            "or torch.inference_mode()"
+        )
 
 
 def normalize_shape(normalized_shape) -> tuple[int, ...]:
@@ -449,7 +492,8 @@ def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
     return block_table.shape[1] * k_cache.shape[1]
 
 
-def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tnew: int) -> None:
+def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tnew: int,
+                         length_of=lambda b: f"cache_seqlens[{b}]") -> None:  # fmt: skip
     """The values of attention_with_kvcache's lengths and block table, before anything is
     written: cache_seqlens[b] in [0, capacity - Tnew] (room for the new keys), cache_leftpad[b]
     in [0, cache_seqlens[b] + Tnew] (the first of the sequence's keys), and every block-table
@@ -464,7 +508,7 @@ def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tne
         b = int(bad[0, 0])
         room = f"room for the {Tnew} appended keys in " if Tnew else ""
         raise ValueError(
-            f"cache_seqlens[{b}] = {int(seqlens[b])} is outside [0, {capacity - Tnew}] ({room}a "
+            f"{length_of(b)} = {int(seqlens[b])} is outside [0, {capacity - Tnew}] ({room}a "
             f"cache of {capacity} positions per sequence); nothing was written"
         )
     ends = seqlens + Tnew
@@ -496,16 +540,18 @@ def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tne
         )
 
 
-def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int | None,
                         max_seqlen_q: int, max_seqlen_k: int) -> tuple[list, list]:  # fmt: skip
     """The prefix sums and max_seqlen of a packed batch, read to the host (a device sync: the
     reference and the eager torch backend; the kernels trust them, as flash-attention's do):
-    each rises from 0 to its packed rows, and no sequence is longer than its max_seqlen.
-    Returns (cu_seqlens_q, cu_seqlens_k) as lists."""
+    each rises from 0 to its packed rows (total_k None: keys in a paged cache, any total), and
+    no sequence is longer than its max_seqlen. Returns (cu_seqlens_q, cu_seqlens_k) as
+    lists."""
     bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for name, cu, total, longest in (("q", bounds[0], total_q, max_seqlen_q),
                                      ("k", bounds[1], total_k, max_seqlen_k)):  # fmt: skip
         steps = [b - a for a, b in itertools.pairwise(cu)]
+        total = cu[-1] if total is None else total
         if cu[0] != 0 or cu[-1] != total or min(steps, default=0) < 0:
             raise ValueError(
                 f"cu_seqlens_{name} must rise from 0 to the {total} packed rows, got {cu}"

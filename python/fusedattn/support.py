@@ -50,10 +50,13 @@ def _attention(*args_override, **kwargs):
     return call
 
 
-def _packed(**kwargs):
+def _packed(paged=False, **kwargs):
     def call():
         q, k, v = (torch.zeros(8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
         cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        if paged:  # two sequences' keys in pages of 4 slots
+            k, v = (torch.zeros(6, 4, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+            kwargs["block_table"] = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
         return ops.varlen_attention, (q, k, v, cu, cu, 5, 5), kwargs
 
     return call
@@ -109,6 +112,10 @@ ATTENTION = [
             softcap=5.0,
             sinks=torch.zeros(2, dtype=torch.bfloat16),
         ),
+    ),
+    Feature(
+        "varlen_attention over a paged cache (block_table), causal",
+        _packed(paged=True, is_causal=True, causal_alignment="bottom_right"),
     ),
 ]
 

@@ -7,11 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from ..checks import check_attention_args, check_varlen_args, check_varlen_values
+from ..checks import (
+    check_attention_args,
+    check_kvcache_values,
+    check_varlen_args,
+    check_varlen_values,
+)
 from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
-from . import backends, flash_attention
+from ..reference.attention import paged_key_count
+from . import backends, decode_ops, flash_attention
 from .autocast import apply_autocast
-from .rowwise import tracing
+from .rowwise import new_output, tracing
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -118,21 +124,28 @@ def _torch_attention(
 
 def _torch_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, window,
-    return_lse, dropout_p, scale, softcap, sinks,
+    return_lse, dropout_p, scale, softcap, sinks, block_table=None,
 ):  # fmt: skip
     """One SDPA call over the batch gathered to (B, H, max_seqlen, D) on the device, no host
     read of the lengths (torch.compile traces it; it ran one SDPA call per sequence after a
     .tolist()): each sequence's key range and positions (bottom-right per sequence where the
     window or ALiBi asks) in one (B, 1, Tq, Tk) mask, the output gathered back to the packed
-    rows. Rows past a sequence gather any row and are masked or dropped. Eager calls check
-    the prefix sums and max_seqlen on the host first, as the reference does."""
-    if not tracing():
-        check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
-                            max_seqlen_k)  # fmt: skip
+    rows. Rows past a sequence gather any row and are masked or dropped. With block_table the
+    keys and values are gathered from the paged cache the same way. Eager calls check the
+    prefix sums, max_seqlen (and the block table) on the host first, as the reference does."""
     lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     lens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    if not tracing():
+        total_k = None if block_table is not None else k.shape[0]
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q,
+                            max_seqlen_k)  # fmt: skip
+        if block_table is not None:
+            check_kvcache_values(lens_k, None, block_table, k, 0, paged_key_count)
     qd = _padded(q, cu_seqlens_q, max_seqlen_q)
-    kd, vd = _padded(k, cu_seqlens_k, max_seqlen_k), _padded(v, cu_seqlens_k, max_seqlen_k)
+    if block_table is None:
+        kd, vd = _padded(k, cu_seqlens_k, max_seqlen_k), _padded(v, cu_seqlens_k, max_seqlen_k)
+    else:
+        kd, vd = _paged(k, block_table, max_seqlen_k), _paged(v, block_table, max_seqlen_k)
     i = torch.arange(max_seqlen_q, device=q.device)[None, :, None]
     j = torch.arange(max_seqlen_k, device=q.device)[None, None, :]
     p = i + (lens_k - lens_q)[:, None, None] if window.bottom_right else i  # query positions
@@ -154,6 +167,16 @@ def _torch_varlen(
     seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
     pos = rows - cu_seqlens_q.long()[seq]
     return out.transpose(1, 2)[seq, pos]  # (total_q, Hq, Dv)
+
+
+def _paged(cache: torch.Tensor, block_table: torch.Tensor, T: int) -> torch.Tensor:
+    """A paged cache's first T positions of each sequence as (B, Hkv, T, D) (positions past a
+    sequence's pages read some page of the cache; the caller masks them)."""
+    page_size = cache.shape[1]
+    j = torch.arange(T, device=cache.device)
+    column = (j // page_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    pages = block_table.long()[:, column].clamp(0, cache.shape[0] - 1)  # (B, T)
+    return cache[pages, j % page_size].transpose(1, 2)
 
 
 def _padded(x: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -184,10 +207,34 @@ def _reference_attention(
 
 def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                       **kw):  # fmt: skip
+    """reference.varlen_attention (block_table among kw: a paged cache)."""
     return reference.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         enable_gqa=q.shape[1] != k.shape[1], **_public_window_args(window), **kw,
     )  # fmt: skip
+
+
+def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   scale, window, softcap, alibi_slopes, sinks, return_lse, block_table=None):  # fmt: skip
+    """The Triton varlen attention; over a paged cache the decode kernel's packed-query form
+    (ops/decode.launch_decode): K/V read in place through the block table, never gathered."""
+    if block_table is None:
+        return flash_attention.run_triton_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
+            window, softcap, alibi_slopes, sinks, return_lse,
+        )  # fmt: skip
+    from .decode import launch_decode
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = new_output((q.shape[0], q.shape[1], v.shape[-1]), q.dtype, q.device)
+    lse = new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
+    if out.numel():
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        launch_decode(q, k, v, out, lse, lengths, block_table, None, None, cu_seqlens_q,
+                      cu_seqlens_q.shape[0] - 1, max_seqlen_q, scale, window, softcap,
+                      alibi_slopes, sinks, 0)  # fmt: skip
+    return (out, lse) if return_lse else out
 
 
 backends.register("attention", "reference", _reference_attention, backends.no_refusals)
@@ -198,10 +245,7 @@ backends.register(
 backends.register("attention", "cuda", flash_attention.run_cuda, flash_attention.cuda_refusals)
 backends.register("varlen_attention", "reference", _reference_varlen, backends.no_refusals)
 backends.register("varlen_attention", "torch", _torch_varlen, _torch_refusals)
-backends.register(
-    "varlen_attention", "triton", flash_attention.run_triton_varlen,
-    flash_attention.triton_refusals,
-)  # fmt: skip
+backends.register("varlen_attention", "triton", _triton_varlen, flash_attention.triton_refusals)
 backends.register(
     "varlen_attention", "cuda", flash_attention.run_cuda, flash_attention.cuda_varlen_refusals
 )
@@ -286,6 +330,7 @@ def varlen_attention(
     sinks: torch.Tensor | None = None,
     causal_alignment: str = "top_left",
     return_lse: bool = False,
+    block_table: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Attention over a packed batch of variable-length sequences, no padding computed.
@@ -298,8 +343,20 @@ def varlen_attention(
     packed rows reads out of bounds, a max_seqlen below a length leaves rows unwritten; the
     reference and torch backends check both. Every option of `attention` (positions per sequence, windows,
     softcap, ALiBi, sinks, dropout) applies. Returns (total_q, Hq, Dv) [, lse (Hq, total_q)
-    float32]. The reference and torch backends run one sequence at a time (and read
-    cu_seqlens to the host); the Triton kernels take the packed batch in one launch.
+    float32]. The reference backend runs one sequence at a time (reading cu_seqlens to the
+    host), the torch backend one SDPA call over the batch padded on the device; the Triton
+    kernels take the packed batch in one launch.
+
+    Paged prefill (chunked prefill, prefix-cache hits, as flash-attention's
+    `flash_attn_varlen_func(..., block_table=...)`): with block_table (B, max_pages) int32, k
+    and v are a paged cache (num_pages, page_size, Hkv, D[v]) and sequence b's keys are its
+    first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cache positions (page p of sequence b is
+    k[block_table[b, p]]; any page size from 1); its queries are the last of them, so
+    is_causal, window_size and alibi_slopes need causal_alignment="bottom_right". Inference
+    only (no dropout, refused where autograd would record). The Triton backend reads the
+    pages in place (the split-key decode kernel with packed queries), the torch and reference
+    backends gather them; values (prefix sums, key counts within the cache's capacity,
+    block-table entries) are checked on the host there, as for attention_with_kvcache.
     """
     cast = apply_autocast("attention", dict(q=q, k=k, v=v))
     q, k, v = cast["q"], cast["k"], cast["v"]
@@ -307,6 +364,7 @@ def varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
         scale, enable_gqa, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+        block_table=block_table,
     )  # fmt: skip
     inputs = dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -314,4 +372,9 @@ def varlen_attention(
         dropout_p=float(dropout_p), scale=scale, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
     )  # fmt: skip
-    return backends.select("varlen_attention", backend, q.device, inputs).run(**inputs)
+    if block_table is not None:
+        inputs["block_table"] = block_table
+    impl = backends.select("varlen_attention", backend, q.device, inputs)
+    if block_table is not None and tracing():  # the whole call as one op (decode_ops.py)
+        return decode_ops.record_paged_varlen(inputs, impl.backend)
+    return impl.run(**inputs)

@@ -96,12 +96,15 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def _mask_kind(inputs: dict) -> str:
-    """none / key_padding / bool / float / window / varlen, or "variant" for what the
-    benchmarks do not cover (softcap, ALiBi, sinks): those keep the default order."""
+    """none / key_padding / bool / float / window / varlen, or "variant" / "paged" for what the
+    benchmarks do not cover (softcap, ALiBi, sinks; a paged prefill): those keep the default
+    order."""
     if inputs.get("softcap") or inputs.get("alibi_slopes") is not None:
         return "variant"
     if inputs.get("sinks") is not None:
         return "variant"
+    if inputs.get("block_table") is not None:  # paged prefill: not benchmarked yet
+        return "paged"
     if "cu_seqlens_q" in inputs:
         return "varlen"
     mask = inputs.get("attn_mask")

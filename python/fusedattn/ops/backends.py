@@ -166,7 +166,10 @@ def _format(reasons: list[str]) -> str:
 def auto_order(op: str, device: torch.device, inputs: dict) -> tuple[str, ...]:
     """The backends auto tries, in order: those measured fastest for calls like this one on
     this card (ops/auto.py's table), then the default order for the device."""
-    default = AUTO_ORDER.get(device.type, {}).get(op, ("reference",))
+    order_of = op
+    if op == "varlen_attention" and inputs.get("block_table") is not None:
+        order_of = "attention_with_kvcache"  # a paged prefill runs the decode kernel
+    default = AUTO_ORDER.get(device.type, {}).get(order_of, ("reference",))
     measured = auto.measured_order(op, device, inputs)
     return measured + tuple(b for b in default if b not in measured)
 

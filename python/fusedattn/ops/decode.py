@@ -124,17 +124,30 @@ def _triton_refusals(*, q, k_cache, v_cache, alibi_slopes=None, **_inputs) -> li
 
 def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,
             softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
-    K = kernels("decode")
-    B, Tq, Hq, D = q.shape
-    Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
-    group = Hq // Hkv
+    B, Tq, Hq, _ = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    scale = D**-0.5 if scale is None else float(scale)
-    out = new_output((B, Tq, Hq, Dv), q.dtype, q.device)
+    out = new_output((B, Tq, Hq, v_cache.shape[-1]), q.dtype, q.device)
     lse = new_output((B, Hq, Tq), torch.float32, q.device)
-    if out.numel() == 0:
-        return (out, lse) if return_lse else out
+    if out.numel():
+        launch_decode(q, k_cache, v_cache, out, lse, seqlens_k, block_table, cache_leftpad,
+                      key_mask, None, B, Tq, scale, window, softcap, alibi_slopes, sinks,
+                      num_splits)  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def launch_decode(q, k_cache, v_cache, out, lse, seqlens_k, block_table, cache_leftpad, key_mask,
+                  cu_seqlens_q, B, Tq, scale, window, softcap, alibi_slopes, sinks,
+                  num_splits):  # fmt: skip
+    """The Triton decode kernel (and the combine of its key splits) into out and lse: q, out
+    (B, Tq, Hq, D[v]) and lse (B, Hq, Tq), or with cu_seqlens_q packed q, out (total_q, Hq,
+    D[v]) and lse (Hq, total_q), Tq the longest sequence's query count (varlen_attention over a
+    paged cache)."""
+    K = kernels("decode")
+    Hq, D = q.shape[-2:]
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
+    group = Hq // Hkv
+    scale = D**-0.5 if scale is None else float(scale)
     cfg = K.decode_config(group * Tq, D, Dv, q.is_cuda)
     m_blocks = -(-group * Tq // cfg.block_m)
     paged = block_table is not None
@@ -158,36 +171,46 @@ def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask
     # one-dimensional per-sequence values are read at b: dense
     seqlens_k = seqlens_k.contiguous()
     leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
-    k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
+    varlen = cu_seqlens_q is not None
+    if varlen:  # packed rows: no batch stride, the lse (Hq, total_q)
+        q_strides, out_strides, lse_strides = (
+            (0, *q.stride()[:2]),
+            (0, *out.stride()[:2]),
+            (0, lse.stride(0)),
+        )
+    else:
+        q_strides, out_strides, lse_strides = q.stride()[:3], out.stride()[:3], lse.stride()[:2]
     # through the launch cache (ops/triton_launch.py): a decode step is short enough that
     # Triton's own per-launch binding (~20 µs on the CPU machine) would show
     args = (
-        q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, leftpad,
-        block_table_arg, slopes, sinks, key_mask, *q.stride()[:3], *k_strides, *v_strides,
-        *out.stride()[:3], block_table_arg.stride(0) if paged else 0,
+        q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, leftpad, block_table_arg,
+        slopes, sinks, key_mask, cu_seqlens_q, *q_strides, *k_cache.stride()[:3],
+        *v_cache.stride()[:3], *out_strides, *lse_strides,
+        block_table_arg.stride(0) if paged else 0,
         Hq if slopes is not None and slopes.dim() == 2 else 0,
         0 if key_mask is None else key_mask.stride(0),
         Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
         window.right, capacity, k_cache.shape[0],
     )  # fmt: skip
     constexprs = dict(
-        HAS_LEFTPAD=leftpad is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        HAS_LEFT=window.left >= 0, HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0,
-        HAS_ALIBI=slopes is not None, HAS_SINKS=sinks is not None, SPLIT=split,
-        HAS_KEY_MASK=key_mask is not None, INTERPRETED=interpreted, **flags,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN_Q=varlen, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=window.left >= 0,
+        HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0, HAS_ALIBI=slopes is not None,
+        HAS_SINKS=sinks is not None, SPLIT=split, HAS_KEY_MASK=key_mask is not None,
+        INTERPRETED=interpreted, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     triton_launch.launch(K.attention_decode, (B * Hkv * m_blocks * num_splits,), args, constexprs)
     if split:
         triton_launch.launch(
             K.decode_combine, (B * Tq * Hq,),
-            (part_o, part_lse, out, lse, sinks, *out.stride()[:3], Tq, Hq, Hkv, Dv, group,
-             num_splits),
-            dict(HAS_SINKS=sinks is not None, BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()),
-                 BLOCK_DV=cfg.block_dv, num_warps=1 if interpreted else 4),
+            (part_o, part_lse, out, lse, sinks, cu_seqlens_q, *out_strides, *lse_strides, Tq,
+             Hq, Hkv, Dv, group, num_splits),
+            dict(VARLEN_Q=varlen, HAS_SINKS=sinks is not None,
+                 BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), BLOCK_DV=cfg.block_dv,
+                 num_warps=1 if interpreted else 4),
         )  # fmt: skip
-    return (out, lse) if return_lse else out
 
 
 def append(k_cache, v_cache, k, v, seqlens, block_table, *, kernel: bool | None = None):

@@ -129,3 +129,57 @@ def record(q, k_cache, v_cache, k, v, seqlens, inputs: dict, check_values: bool,
         inputs["return_lse"], check_values, backend,
     )  # fmt: skip
     return (out, lse) if inputs["return_lse"] else out
+
+
+@torch.library.custom_op("fusedattn::paged_varlen_attention", mutates_args=())
+def paged_varlen_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: Optional[float],
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    return_lse: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """varlen_attention over a paged cache (inference only): (out (total_q, Hq, Dv), lse
+    (Hq, total_q) fp32 or empty) of the named backend; the reference and torch backends check
+    the values inside, as in eager calls."""
+    window = Window(window_left, window_right, window_left >= 0 or window_right >= 0)
+    result = backends._REGISTRY["varlen_attention"][backend].run(
+        q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, scale=scale,
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        return_lse=return_lse, block_table=block_table,
+    )  # fmt: skip
+    out, lse = result if return_lse else (result, q.new_empty(0, dtype=torch.float32))
+    return out.contiguous(), lse
+
+
+@paged_varlen_attention.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sinks,
+      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap, return_lse,
+      backend):  # fmt: skip
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def record_paged_varlen(inputs: dict, backend: str):
+    """What varlen_attention with a block table runs while torch.compile records."""
+    window = inputs["window"]
+    out, lse = torch.ops.fusedattn.paged_varlen_attention(
+        inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
+        inputs["block_table"], inputs["alibi_slopes"], inputs["sinks"], inputs["max_seqlen_q"],
+        inputs["max_seqlen_k"], inputs["scale"], window.left, window.right, inputs["softcap"],
+        inputs["return_lse"], backend,
+    )  # fmt: skip
+    return (out, lse) if inputs["return_lse"] else out

@@ -9,12 +9,18 @@ sinks) runs in fp32 (fp64 kept).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_attention_args, check_varlen_args, check_varlen_values
+from ..checks import (
+    check_attention_args,
+    check_kvcache_values,
+    check_varlen_args,
+    check_varlen_values,
+)
 from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from .softmax import safe_softmax
 
@@ -119,15 +125,21 @@ def attention(
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     is_causal=False, scale=None, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None,
-    sinks=None, causal_alignment="top_left", return_lse=False,
+    sinks=None, causal_alignment="top_left", return_lse=False, block_table=None,
 ):  # fmt: skip
     """Packed variable-length attention, one sequence at a time through `attention`; see
-    `fusedattn.varlen_attention`. Returns (total_q, Hq, Dv) [, lse (Hq, total_q) fp32]."""
+    `fusedattn.varlen_attention`. With block_table, k and v are a paged cache: sequence b's
+    keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions, gathered page by page
+    (the values checked first). Returns (total_q, Hq, Dv) [, lse (Hq, total_q) fp32]."""
     check_varlen_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
         scale, enable_gqa, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+        block_table=block_table,
     )  # fmt: skip
+    if block_table is not None:
+        k, v = gather_pages(k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_q,
+                            max_seqlen_k, block_table)  # fmt: skip
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         alibi_slopes, return_lse,
@@ -135,6 +147,31 @@ def varlen_attention(
         enable_gqa=q.shape[1] != k.shape[1], window_size=window_size, softcap=softcap,
         sinks=sinks, causal_alignment=causal_alignment,
     )  # fmt: skip
+
+
+def paged_key_count(b: int) -> str:
+    """How a value error names sequence b's key count in a paged varlen call."""
+    return f"cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}]"
+
+
+def gather_pages(k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, total_q, max_seqlen_q,
+                 max_seqlen_k, block_table):  # fmt: skip
+    """Packed (total_k, Hkv, D[v]) keys and values of a paged cache: sequence b's first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions, in order. The prefix sums, lengths and
+    block-table entries are checked on the host first (ValueError)."""
+    from .decode import cache_rows
+
+    _, bounds = check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, None, max_seqlen_q,
+                                    max_seqlen_k)  # fmt: skip
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], dtype=torch.int32)
+    check_kvcache_values(lengths, None, block_table, k_cache, 0, paged_key_count)
+    keys, values = [], []
+    for b, n in enumerate(lengths.tolist()):
+        keys.append(cache_rows(k_cache, block_table, b, 0, n))
+        values.append(cache_rows(v_cache, block_table, b, 0, n))
+    if not keys:
+        return k_cache[:0, 0], v_cache[:0, 0]
+    return torch.cat(keys), torch.cat(values)
 
 
 def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
