@@ -170,3 +170,10 @@ def test_triton_key_splits_combine_per_packed_row(splits, monkeypatch):
 
     monkeypatch.setattr(decode, "default_splits", lambda *args: splits)
     run("triton", torch.float32, 4, dict(window_size=(11, 0), sinks=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gqa_when_the_page_size_equals_the_query_heads(backend):
+    """The kv heads are the cache's dim -2: a page of 4 slots beside 4 query heads over 2 kv
+    heads was read as multi-head attention by the torch and reference backends."""
+    run(backend, torch.float32, 4, dict(is_causal=True), Hq=4, Hkv=2)

@@ -160,7 +160,7 @@ def _torch_varlen(
         bias = -slopes * (p - j).abs()[:, None].to(slopes.dtype)
         mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
     out = _torch_attention(
-        qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[1], None, NO_WINDOW, softcap,
+        qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[-2], None, NO_WINDOW, softcap,
         None, sinks, False,
     )  # fmt: skip
     rows = torch.arange(q.shape[0], device=q.device)
@@ -210,7 +210,7 @@ def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     """reference.varlen_attention (block_table among kw: a paged cache)."""
     return reference.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        enable_gqa=q.shape[1] != k.shape[1], **_public_window_args(window), **kw,
+        enable_gqa=q.shape[1] != k.shape[-2], **_public_window_args(window), **kw,
     )  # fmt: skip
 
 

@@ -1,0 +1,1 @@
+"""flash-attention's `flash_attn.layers`: the rotary embedding (`rotary`)."""
