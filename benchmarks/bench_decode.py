@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 
 import harness
 import torch
@@ -285,9 +286,14 @@ def generate_rows(quick, device, env) -> list[dict]:
     model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
     ids = torch.randint(3, config.vocab_size, (B, prompt), device=device)
     rows = []
-    for impl in ("sdpa", "fusedattn"):
-        model.set_attn_implementation(impl)
+    for (impl, attn), static in itertools.product(GENERATE_IMPLS, (False, True)):
+        model.set_attn_implementation(attn)
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        name = impl
+        if static:  # the static cache with the forward compiled, as generate does on CUDA
+            kw |= dict(cache_implementation="static", compile_config=compile_config(on_gpu))
+            name += "-static-compiled"
+        torch._dynamo.reset()
 
         def run(kw=kw):
             with torch.inference_mode():
@@ -295,14 +301,31 @@ def generate_rows(quick, device, env) -> list[dict]:
 
         ms, spread = harness.time_stats(run, device=device, reps=3)
         row = harness.make_row(
-            env, op="generate", mode="infer", impl=impl, dtype=str(dtype)[6:], B=B, H=config.num_attention_heads,
-            Tq=new, Tk=prompt + new, D=config.hidden_size // config.num_attention_heads, ms=ms,
+            env, op="generate", mode="infer", impl=name, dtype=str(dtype)[6:], B=B,
+            H=config.num_attention_heads, Tq=new, Tk=prompt + new,
+            D=config.hidden_size // config.num_attention_heads, ms=ms,
             tokens_per_s=B * new / (ms * 1e-3), spread=spread,
             note=harness.noisy(spread).lstrip("; ") or None,
         )  # fmt: skip
         harness.progress(row)
         rows.append(row)
     return rows
+
+
+GENERATE_IMPLS = (("sdpa", "sdpa"), ("fusedattn", "fusedattn"))  # (row name, attn_implementation)
+
+
+def compile_config(on_gpu: bool):
+    """generate's own compile of static-cache decoding: on a GPU mode="reduce-overhead" (CUDA
+    graphs, what generate uses there by default) with fullgraph; on a CPU the same trace with
+    dynamo's eager backend, a smoke form of the row (no timing meaning)."""
+    import transformers
+
+    if on_gpu:
+        return transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+    config = transformers.CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True
+    return config
 
 
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:

@@ -104,6 +104,32 @@ def check(model, naive, case: ModelCase, device) -> str:
     return harness.correctness(out, want, base, k=3.0)
 
 
+COMPILED = ("torch", "auto")  # inference also timed compiled: what serving users run
+
+
+def compiled_infer(model, case, src, tgt, device):
+    """The inference forward under torch.compile(fullgraph=True): mode="reduce-overhead" (CUDA
+    graphs) on a GPU, dynamo's eager backend on a CPU (a smoke form: the trace, no speed
+    meaning); None, said, when it does not compile."""
+    options = dict(mode="reduce-overhead") if device.type == "cuda" else dict(backend="eager")
+    torch._dynamo.reset()
+    model.eval()
+    step = torch.compile(lambda src, tgt: forward(model, case, src, tgt), fullgraph=True, **options)
+
+    def infer():
+        with torch.no_grad():
+            return step(src, tgt)
+
+    try:
+        infer()
+    except Exception as exc:  # a benchmark reports what it could not run, it does not stop
+        print(
+            f"  model {case.name} infer-compiled: not compiled ({type(exc).__name__}: {exc})"[:300]
+        )
+        return None
+    return infer
+
+
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
     rows = []
     for case in cases(quick, device):
@@ -123,8 +149,13 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
                     model.loss(src, tgt).backward()
                     model.zero_grad(set_to_none=True)
 
-                for mode, fn in (("infer", infer), ("train", train)):
+                modes = [("infer", infer), ("train", train)]
+                if impl in COMPILED:
+                    modes.append(("infer-compiled", compiled_infer(model, case, src, tgt, device)))
+                for mode, fn in modes:
                     model.train(mode == "train")
+                    if fn is None:  # the compile failed: said once, no row
+                        continue
                     fields = dict(op=f"model:{case.name}", mode=mode, impl=impl,
                                   dtype=str(case.dtype)[6:], B=B, H=case.cfg.n_heads, Tq=T,
                                   Tk=T, D=case.cfg.d_model)  # fmt: skip

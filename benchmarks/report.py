@@ -91,6 +91,16 @@ def summarize(rows: list[dict]) -> list[str]:
     return lines
 
 
+def impl_colours(rows: list[dict]) -> dict[str, tuple]:
+    """One colour per impl, the same in every panel of a figure: the impls in sorted order on
+    matplotlib's qualitative palette (tab20 past 10 impls)."""
+    import matplotlib
+
+    impls = sorted({r["impl"] for r in rows})
+    palette = matplotlib.colormaps["tab10" if len(impls) <= 10 else "tab20"]
+    return {impl: palette(i % palette.N) for i, impl in enumerate(impls)}
+
+
 def plot(rows: list[dict], path: Path) -> Path | None:
     """One PNG per op family: speed against size, a line per impl, a panel per case kind.
     Returns None (and says so) where matplotlib is missing or nothing is left to plot."""
@@ -122,12 +132,14 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     cols = min(3, len(panels))
     rows_n = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.6 * rows_n), squeeze=False)
+    colours = impl_colours(rows)
     for ax, panel in zip(axes.flat, panels, strict=False):
         op, mode, d, causal, mask = panel
         subset = [r for r in rows if (r["op"], r["mode"], r["D"], r["causal"], r["mask"]) == panel]
         for impl in sorted({r["impl"] for r in subset}):
             pts = sorted((int(r[size]), float(r[metric])) for r in subset if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl,
+                    color=colours[impl])  # fmt: skip
         title = (f"{op} " if len(ops) > 1 else "") + mode
         title += (f" D={d}" if d else "") + (" causal" if causal == "True" else "")
         ax.set_title(title + (f" mask={mask}" if mask and mask != "none" else ""), fontsize=9)
@@ -137,10 +149,16 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    # one legend for the figure, naming every impl of every panel (the first panel's legend
+    # missed the impls it had no row of, e.g. sdpa-flash where it refuses key padding)
+    handles = [
+        matplotlib.lines.Line2D([], [], color=colours[i], marker="o", label=i) for i in colours
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=7,
+               frameon=False)  # fmt: skip
     family = rows[0]["op"] if len(ops) == 1 else ", ".join(sorted(ops))
     fig.suptitle(f"{family} on {rows[0]['device']} ({rows[0]['dtype']})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.02 * (len(handles) // 6), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

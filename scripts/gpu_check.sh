@@ -3,7 +3,13 @@
 # and write logs and CSVs into the folder given (default $OUT, else .make/gpu-check). No
 # network is assumed: nothing is downloaded (a Liger-Kernel wheel carried in .whl/ is
 # installed for the norm baselines). Each step has a time limit; a failing step does not stop
-# the others. GPU_CHECK_STEPS picks steps, in this order; two presets:
+# the others. GPU_CHECK_STEPS picks steps, in this order; three presets:
+#   next    what issue #52 (the GPU run-book) has first and undone, in one call of at most 8
+#           minutes: today its item 1, correctness on the GPU: build, info and the whole GPU
+#           test grid (the Triton and CUDA kernels, the decode kernels with bad values, the
+#           paged prefill's packed-query decode kernel, CUDA-graph decode steps and
+#           static-cache generation under torch.compile(mode="reduce-overhead")). Move it on
+#           as the items get done.
 #   check   (default) build info bench-attention gpu-tests (on the H200, 2026-11-27, one
 #           call with GPU_CHECK_DEADLINE=555: build 61 s, bench-attention 172 s, the tests
 #           cut at 300 s with 444 of the 600 Triton tests and all 200 CUDA ones run, before
@@ -34,6 +40,7 @@ exec > >(tee "$out_dir/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}  # the GPU image has python3 only
 case "${GPU_CHECK_STEPS:-check}" in
+  next) steps=" build info gpu-tests " ;;  # issue #52's first undone item; see above
   check) steps=" build info bench-attention gpu-tests " ;;
   measure) steps=" build tune-triton bench-norms bench-model host " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
@@ -111,7 +118,8 @@ gpu_tests() {  # (the selections live here: a step runs in a new bash, which no 
   local rc=0 part=${GPU_TESTS_PART:-0/1}
   local triton_tests=(tests/test_attention.py tests/test_attention_tma.py
     tests/test_attention_variants.py tests/test_empty_inputs.py tests/test_layernorm.py
-    tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py tests/test_decode.py)
+    tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py tests/test_decode.py
+    tests/test_decode_values.py tests/test_paged_prefill.py tests/test_cuda_graphs.py)
   local cuda_tests=(tests/test_cuda_attention.py tests/test_cuda_attention_fused_bwd.py
     tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py)
   if $PYTHON -c "import xdist" 2>/dev/null; then

@@ -133,7 +133,12 @@ def test_run_all_decode_family_on_the_cpu(tmp_path, capsys):
     assert {r["mask"] for r in decode} == {"contiguous", "paged16"}
     assert {r["impl"] for r in decode} >= {"fusedattn-torch", "sdpa", "naive"}
     generate = [r for r in rows if r["op"] == "generate"]
-    assert {r["impl"] for r in generate} == {"sdpa", "fusedattn"}
+    assert {r["impl"] for r in generate} == {
+        "sdpa",
+        "fusedattn",
+        "sdpa-static-compiled",
+        "fusedattn-static-compiled",
+    }
     assert all(float(r["tokens_per_s"]) > 0 for r in generate)
     text = capsys.readouterr().out
     assert text.count("fusedattn-triton not measured") == 1  # once, for every op
@@ -250,7 +255,10 @@ def test_model_benchmark_rows_on_cpu(tmp_path):
     rows = bench_model.run(True, torch.device("cpu"), harness.environment())
     assert {r["impl"] for r in rows} >= {"naive", "torch", "auto"}
     assert {r["op"] for r in rows} == {"model:tiny-decoder", "model:tiny-encoder-padded"}
-    assert {r["mode"] for r in rows} == {"train", "infer"}
+    assert {r["mode"] for r in rows} == {"train", "infer", "infer-compiled"}
+    # torch and auto also compiled (fullgraph; dynamo's eager backend on a CPU)
+    compiled = {(r["op"], r["impl"]) for r in rows if r["mode"] == "infer-compiled"}
+    assert {impl for _, impl in compiled} == {"torch", "auto"} and len(compiled) == 4
     assert all(r["pass"] == "yes" and float(r["tokens_per_s"]) > 0 for r in rows)
     assert any(r["speedup_vs_naive"] not in ("", 1.0) for r in rows)
 
@@ -484,3 +492,45 @@ def test_host_benchmark_times_decoding_as_inference_only(monkeypatch):
         ("decode", "fwd", "contiguous+append", 40),
     ]
     assert all(r["host_us"] == 50.0 and "NOISY" not in r["note"] for r in rows)
+
+
+def test_plots_keep_each_impls_colour_across_panels_and_name_every_impl(tmp_path, monkeypatch):
+    """An impl absent from the first panel (sdpa-flash refuses key padding) is still in the
+    legend, and every impl has one colour in every panel (the colours shifted between the
+    H200 attention plot's panels)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    env = dict(device="cpu")
+    rows = [
+        harness.make_row(
+            env,
+            op="attention",
+            mode="fwd+bwd",
+            impl=impl,
+            dtype="bfloat16",
+            D=128,
+            mask=mask,
+            Tq=T,
+            Tk=T,
+            ms=1.0,
+            tflops=float(T),
+        )
+        for mask, impls in (
+            ("key_padding", ("naive", "triton")),
+            ("none", ("flash", "naive", "triton")),
+        )
+        for impl in impls
+        for T in (1024, 2048)
+    ]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert report.plot(rows, tmp_path / "attention.png").exists()
+    (fig,) = figures
+    colours = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            assert colours.setdefault(line.get_label(), line.get_color()) == line.get_color()
+    assert set(colours) == {"flash", "naive", "triton"}
+    (legend,) = fig.legends
+    assert sorted(t.get_text() for t in legend.get_texts()) == ["flash", "naive", "triton"]

@@ -127,7 +127,13 @@ def guarded_case(paged: bool, page_size: int = 4):
     the NaN page inside the cache or None)."""
     B, S, Hkv, D = 2, 16, 2, 16
     g = torch.Generator().manual_seed(0)
-    poison = None
+    device = torch.get_default_device()  # a GPU's grid runs this on the GPU
+    with torch.device("cpu"):  # made on the CPU (its generator), then moved
+        return _guarded(B, S, Hkv, D, g, paged, page_size, device)
+
+
+def _guarded(B, S, Hkv, D, g, paged, page_size, device):
+    poison = table = None
     if paged:
         pages = B * S // page_size + 1  # the sequences' pages and the NaN page
         poison = pages // 2
@@ -148,6 +154,12 @@ def guarded_case(paged: bool, page_size: int = 4):
         kc, vc = big_k[:B, 4 : 4 + S], big_v[:B, 4 : 4 + S]
         bt = None
     q = torch.randn(B, 1, 4, D, generator=g)
+    q, big_k, big_v = (t.to(device) for t in (q, big_k, big_v))
+    if paged:  # the views again, into the moved buffers (the table's neighbours kept)
+        kc, vc = big_k[1:-1], big_v[1:-1]
+        bt = table.to(device)[1:-1, 1:-1]
+    else:
+        kc, vc = big_k[:B, 4 : 4 + S], big_v[:B, 4 : 4 + S]
     return q, kc, vc, bt, (big_k, big_v), poison
 
 
@@ -179,6 +191,7 @@ def with_layouts(cases):
     ]
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.kernels
 @pytest.mark.parametrize("paged,seqlens,leftpad,spoil", with_layouts(BAD_VALUES))
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -217,6 +230,7 @@ APPEND_BAD_VALUES = [  # (cache_seqlens, a block-table entry to spoil)
 ]
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.kernels
 @pytest.mark.parametrize("paged,seqlens,spoil", with_layouts(APPEND_BAD_VALUES))
 def test_the_append_kernel_writes_nothing_outside_the_cache(paged, seqlens, spoil):

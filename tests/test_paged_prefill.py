@@ -14,6 +14,9 @@ import fusedattn
 from fusedattn import reference
 from fusedattn.testing import assert_close_kx
 
+# On a GPU machine (scripts/gpu_check.sh's grid) every tensor is made on the GPU: the Triton
+# kernel compiled, the reference and torch backends on CUDA tensors.
+pytestmark = pytest.mark.usefixtures("kernel_device")
 BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 Q_LENGTHS = (3, 0, 7, 1, 5)
 K_LENGTHS = (20, 5, 33, 1, 4)  # the last sequence: more queries than keys (its first sees none)
@@ -25,7 +28,7 @@ def paged_case(dtype, page_size, Hq=4, Hkv=2, D=16, Dv=16, seed=0):
     B, S = len(Q_LENGTHS), 40
     kc, vc, bt = make_cache(B, S, Hkv, D, Dv, dtype, "paged", page_size, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(sum(Q_LENGTHS), Hq, D, generator=g).to(dtype)
+    q = torch.randn(sum(Q_LENGTHS), Hq, D, generator=g, device="cpu").to(kc.device, dtype)
     cu_q = torch.tensor([0, *torch.tensor(Q_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(K_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     rows = [(b, j) for b, n in enumerate(K_LENGTHS) for j in range(n)]
