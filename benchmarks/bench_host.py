@@ -64,13 +64,21 @@ def stub_driver_launch(tool_path: str) -> None:
     from triton.compiler import compiler
 
     # decoding as on a GPU: the split for a GPU's SMs (the interpreter's 4 would not split a
-    # batch-1 step), and the append through its kernel (CPU tensors take torch's writes);
-    # checkouts older than decoding (run via PYTHONPATH) have neither
+    # batch-1 step), the append through its kernel (CPU tensors take torch's writes), and no
+    # host check of the lengths' values (the CPU always checks them; a GPU only on request);
+    # checkouts older than decoding (run via PYTHONPATH) have none of these, older than
+    # 2026-11-28 not the last two names
     if importlib.util.find_spec("fusedattn.ops.decode") is not None:
         from fusedattn.ops import decode
 
         decode.INTERPRETER_SMS = STUB_SMS
-        decode.append = functools.partial(decode.append, kernel=True)
+        if hasattr(decode, "append_uses_kernel"):
+            decode.append_uses_kernel = lambda k_cache: True
+        else:
+            decode.append = functools.partial(decode.append, kernel=True)
+        if hasattr(decode, "values_checked"):
+            gpu_rule = decode.values_checked
+            decode.values_checked = lambda on_gpu, backend, *env: gpu_rule(True, backend, *env)
 
     def no_handles(self):
         self.module, self._run = "stub", lambda *args, **kwargs: None
@@ -129,6 +137,14 @@ def _launch_cases(fusedattn, dtype) -> dict:
     }
 
 
+def forget_plans() -> None:
+    """Drop attention_with_kvcache's plans (their launchers are bound at their first call)."""
+    if importlib.util.find_spec("fusedattn.ops.decode_plan") is not None:
+        from fusedattn.ops import decode_plan
+
+        decode_plan._PLANS.clear()
+
+
 def check_launches(fusedattn) -> list[str]:
     """With the sm_90 stub installed: the differences between what Triton's launcher receives
     through the launch cache and through Triton's own path, per case ([] = none)."""
@@ -155,8 +171,10 @@ def check_launches(fusedattn) -> list[str]:
                     out.backward(torch.ones_like(out))
                 return list(received)
 
+            forget_plans()
             triton_launch.ENABLED, triton_launch._launches = False, {}
             reference = launches()
+            forget_plans()  # the plans' bound launchers are what is checked next
             triton_launch.ENABLED, triton_launch._launches = True, {}
             launches()  # fills the cache
             cached = launches()

@@ -108,7 +108,7 @@ def launch_args(name: str):
         *q_strides, *kc.stride()[:3], *kc.stride()[:3], *out_strides, *lse_strides,
         table.stride(0) if page else 0, 0, S if c.get("hf") else 0, Tq, HQ,
         HKV, D, D, group, -(-group * Tq // cfg.block_m), splits, D**-0.5, 0.0, left, right, S,
-        kc.shape[0],
+        kc.shape[0], 0,
     )  # fmt: skip
     constexprs = dict(
         VARLEN_Q=varlen, HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,

@@ -127,7 +127,7 @@ def attention_decode(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sl_b, sl_h,
     sbt_b, sal_b, skm_b,
     Tq, Hq, Hkv, D, Dv, group, num_m_blocks, num_splits, scale, softcap, window_left,
-    window_right, capacity, num_rows,
+    window_right, capacity, num_rows, seqlen_add,
     VARLEN_Q: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -150,7 +150,8 @@ def attention_decode(
     row of the positions the sequence's queries may see, holes allowed; keys outside it are
     neither loaded nor weighed.
 
-    Whatever the values of the lengths and the block table (checked on the host only on
+    L_b = SEQLENS_K[b] + seqlen_add (the keys an append in the same step adds: its lengths
+    tensor is read as it was, no add on the host). Whatever the values of the lengths and the block table (checked on the host only on
     request, a sync), nothing outside the caches, the block table or the lengths is read:
     L_b is clamped to [0, capacity] (capacity: positions per sequence), leftpad_b to
     [0, L_b], and a block-table entry outside [0, num_rows) clamped into it.
@@ -181,7 +182,7 @@ def attention_decode(
     q_row = q0 + qi.to(tl.int64)
     q = tl.load(Q + b * sq_b + q_row[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), capacity)
+    seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b) + seqlen_add, 0), capacity)
     seq_start = 0
     if HAS_LEFTPAD:
         seq_start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seq_end)

@@ -15,10 +15,10 @@ import os
 import torch
 
 from .. import reference
-from ..checks import check_kvcache_args, check_kvcache_values, kvcache_capacity
+from ..checks import check_kvcache_args, kvcache_capacity
 from ..masks import NO_WINDOW
 from ..reference.decode import append_to_cache
-from . import backends, decode_ops, triton_launch
+from . import backends, decode_ops, decode_plan, triton_launch
 from .attention import _torch_attention, _torch_refusals
 from .attention_launch import dot_flags
 from .flash_attention import MAX_HEAD_DIM
@@ -124,122 +124,198 @@ def _triton_refusals(*, q, k_cache, v_cache, alibi_slopes=None, **_inputs) -> li
 
 def _triton(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,
             softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
-    B, Tq, Hq, _ = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = new_output((B, Tq, Hq, v_cache.shape[-1]), q.dtype, q.device)
-    lse = new_output((B, Hq, Tq), torch.float32, q.device)
-    if out.numel():
-        launch_decode(q, k_cache, v_cache, out, lse, seqlens_k, block_table, cache_leftpad,
-                      key_mask, None, B, Tq, scale, window, softcap, alibi_slopes, sinks,
-                      num_splits)  # fmt: skip
+    # one-dimensional per-sequence values and the parameters are read at b / h: dense
+    seqlens_k, cache_leftpad, block_table, alibi_slopes, sinks = map(
+        dense, (seqlens_k, cache_leftpad, block_table, alibi_slopes, sinks)
+    )
+    launch = TritonDecode(q, k_cache, v_cache, block_table, cache_leftpad, key_mask, None,
+                          q.shape[0], q.shape[1], scale, window, softcap, alibi_slopes, sinks,
+                          num_splits)  # fmt: skip
+    out, lse = launch.outputs(q)
+    launch(q, k_cache, v_cache, out, lse, seqlens_k, cache_leftpad, block_table, alibi_slopes,
+           sinks, key_mask, None)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 def launch_decode(q, k_cache, v_cache, out, lse, seqlens_k, block_table, cache_leftpad, key_mask,
-                  cu_seqlens_q, B, Tq, scale, window, softcap, alibi_slopes, sinks,
-                  num_splits):  # fmt: skip
+                  cu_seqlens_q, B, Tq, scale, window, softcap, alibi_slopes, sinks, num_splits,
+                  seqlen_add=0):  # fmt: skip
     """The Triton decode kernel (and the combine of its key splits) into out and lse: q, out
     (B, Tq, Hq, D[v]) and lse (B, Hq, Tq), or with cu_seqlens_q packed q, out (total_q, Hq,
     D[v]) and lse (Hq, total_q), Tq the longest sequence's query count (varlen_attention over a
-    paged cache)."""
-    K = kernels("decode")
-    Hq, D = q.shape[-2:]
-    Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
-    group = Hq // Hkv
-    scale = D**-0.5 if scale is None else float(scale)
-    cfg = K.decode_config(group * Tq, D, Dv, q.is_cuda)
-    m_blocks = -(-group * Tq // cfg.block_m)
-    paged = block_table is not None
-    capacity = kvcache_capacity(k_cache, block_table)
-    if num_splits == 0:
-        num_splits = default_splits(cfg, B * Hkv * m_blocks, capacity, q.device)
-    split = num_splits > 1
-    part_o = part_lse = None
-    if split:
-        part_o = torch.empty((B, Hkv, num_splits, group * Tq, Dv), dtype=torch.float32,
-                             device=q.device)  # fmt: skip
-        part_lse = torch.empty((B, Hkv, num_splits, group * Tq), dtype=torch.float32,
-                               device=q.device)  # fmt: skip
-    flags = dot_flags(q)
-    interpreted = not q.is_cuda
-    if not interpreted:
-        flags["DOT_IN_FP32"] = False
-    slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
-    sinks = None if sinks is None else sinks.contiguous()
-    block_table_arg = block_table.contiguous() if paged else None
-    # one-dimensional per-sequence values are read at b: dense
-    seqlens_k = seqlens_k.contiguous()
-    leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
-    varlen = cu_seqlens_q is not None
-    if varlen:  # packed rows: no batch stride, the lse (Hq, total_q)
-        q_strides, out_strides, lse_strides = (
-            (0, *q.stride()[:2]),
-            (0, *out.stride()[:2]),
-            (0, lse.stride(0)),
-        )
-    else:
-        q_strides, out_strides, lse_strides = q.stride()[:3], out.stride()[:3], lse.stride()[:2]
-    # through the launch cache (ops/triton_launch.py): a decode step is short enough that
-    # Triton's own per-launch binding (~20 µs on the CPU machine) would show
-    args = (
-        q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, leftpad, block_table_arg,
-        slopes, sinks, key_mask, cu_seqlens_q, *q_strides, *k_cache.stride()[:3],
-        *v_cache.stride()[:3], *out_strides, *lse_strides,
-        block_table_arg.stride(0) if paged else 0,
-        Hq if slopes is not None and slopes.dim() == 2 else 0,
-        0 if key_mask is None else key_mask.stride(0),
-        Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
-        window.right, capacity, k_cache.shape[0],
-    )  # fmt: skip
-    constexprs = dict(
-        VARLEN_Q=varlen, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=window.left >= 0,
-        HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0, HAS_ALIBI=slopes is not None,
-        HAS_SINKS=sinks is not None, SPLIT=split, HAS_KEY_MASK=key_mask is not None,
-        INTERPRETED=interpreted, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
-    triton_launch.launch(K.attention_decode, (B * Hkv * m_blocks * num_splits,), args, constexprs)
-    if split:
-        triton_launch.launch(
-            K.decode_combine, (B * Tq * Hq,),
-            (part_o, part_lse, out, lse, sinks, cu_seqlens_q, *out_strides, *lse_strides, Tq,
-             Hq, Hkv, Dv, group, num_splits),
-            dict(VARLEN_Q=varlen, HAS_SINKS=sinks is not None,
-                 BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), BLOCK_DV=cfg.block_dv,
-                 num_warps=1 if interpreted else 4),
+    paged cache). seqlen_add: keys an append of the same step adds to seqlens_k."""
+    seqlens_k, cache_leftpad, block_table, alibi_slopes, sinks = map(
+        dense, (seqlens_k, cache_leftpad, block_table, alibi_slopes, sinks)
+    )
+    launch = TritonDecode(q, k_cache, v_cache, block_table, cache_leftpad, key_mask,
+                          cu_seqlens_q, B, Tq, scale, window, softcap, alibi_slopes, sinks,
+                          num_splits, seqlen_add)  # fmt: skip
+    launch(q, k_cache, v_cache, out, lse, seqlens_k, cache_leftpad, block_table, alibi_slopes,
+           sinks, key_mask, cu_seqlens_q)  # fmt: skip
+
+
+def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t contiguous (the kernels read lengths, tables and per-head parameters with their
+    last stride 1 and rows of their own length); a copy only where it is not."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+class TritonDecode:
+    """The Triton decode of one call's metadata (shapes, strides, dtypes, flags): tiles, key
+    splits, grid, the scalar launch arguments and constexprs, worked out once. Calling it
+    launches the decode kernel, and the combine of its splits, for that call's tensors; the
+    first call binds each launch to its compiled kernel (triton_launch.prepare), so a plan
+    (decode_plan.py) that keeps it for every later call with the same metadata pays only the
+    allocations and the launchers. The tensors' strides must be those it was built from (a
+    plan's key holds them)."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, cache_leftpad, key_mask, cu_seqlens_q, B,
+                 Tq, scale, window, softcap, alibi_slopes, sinks, num_splits,
+                 seqlen_add=0):  # fmt: skip
+        K = kernels("decode")
+        Hq, D = q.shape[-2:]
+        Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
+        group = Hq // Hkv
+        scale = D**-0.5 if scale is None else float(scale)
+        cfg = K.decode_config(group * Tq, D, Dv, q.is_cuda)
+        m_blocks = -(-group * Tq // cfg.block_m)
+        paged = block_table is not None
+        capacity = kvcache_capacity(k_cache, block_table)
+        if num_splits == 0:
+            num_splits = default_splits(cfg, B * Hkv * m_blocks, capacity, q.device)
+        self.split = num_splits > 1
+        self.varlen = cu_seqlens_q is not None
+        self.device = q.device
+        # the partials: one fp32 buffer, the outputs then the log-sum-exps
+        self.part_o_numel = B * Hkv * num_splits * group * Tq * Dv
+        self.work_numel = self.part_o_numel + B * Hkv * num_splits * group * Tq
+        self.out_shape = (q.shape[0], Hq, Dv) if self.varlen else (B, Tq, Hq, Dv)
+        self.lse_shape = (Hq, q.shape[0]) if self.varlen else (B, Hq, Tq)
+        self.out_dtype = q.dtype
+        if self.varlen:  # packed rows: no batch stride, the lse (Hq, total_q)
+            q_strides, out_strides = (0, *q.stride()[:2]), (0, Hq * Dv, Dv)
+            lse_strides = (0, q.shape[0])
+        else:
+            q_strides, out_strides = q.stride()[:3], (Tq * Hq * Dv, Hq * Dv, Dv)
+            lse_strides = (Hq * Tq, Tq)
+        flags = dot_flags(q)
+        interpreted = not q.is_cuda
+        if not interpreted:
+            flags["DOT_IN_FP32"] = False
+        self.decode_scalars = (
+            *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], *out_strides, *lse_strides,
+            block_table.stride(0) if paged else 0,
+            Hq if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+            0 if key_mask is None else key_mask.stride(0),
+            Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
+            window.right, capacity, k_cache.shape[0], seqlen_add,
         )  # fmt: skip
+        self.decode_constexprs = dict(
+            VARLEN_Q=self.varlen, HAS_LEFTPAD=cache_leftpad is not None, PAGED=paged,
+            PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=window.left >= 0,
+            HAS_RIGHT=window.right >= 0, SOFTCAP=softcap > 0.0,
+            HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, SPLIT=self.split,
+            HAS_KEY_MASK=key_mask is not None, INTERPRETED=interpreted, **flags,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        self.decode_grid = (B * Hkv * m_blocks * num_splits,)
+        self.combine_scalars = (*out_strides, *lse_strides, Tq, Hq, Hkv, Dv, group, num_splits)
+        self.combine_constexprs = dict(
+            VARLEN_Q=self.varlen, HAS_SINKS=sinks is not None,
+            BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), BLOCK_DV=cfg.block_dv,
+            num_warps=1 if interpreted else 4,
+        )  # fmt: skip
+        self.combine_grid = (B * Tq * Hq,)
+        self.kernels = K
+        self._decode = self._combine = None  # Prepared launches, bound at the first call
+
+    def outputs(self, q):
+        """(out, lse): new buffers of the call's output shapes (contiguous, as the strides above)."""
+        out = new_output(self.out_shape, self.out_dtype, self.device)
+        return out, new_output(self.lse_shape, torch.float32, self.device)
+
+    def __call__(self, q, k_cache, v_cache, out, lse, seqlens_k, cache_leftpad, block_table,
+                 alibi_slopes, sinks, key_mask, cu_seqlens_q):  # fmt: skip
+        """Launch for these tensors (1-D ones contiguous, q with a unit last stride)."""
+        if out.numel() == 0:
+            return
+        part_o = part_lse = None
+        if self.split:
+            work = torch.empty(self.work_numel, dtype=torch.float32, device=self.device)
+            part_o, part_lse = work, work[self.part_o_numel :]
+        tensors = (q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, cache_leftpad,
+                   block_table, alibi_slopes, sinks, key_mask, cu_seqlens_q)  # fmt: skip
+        if self._decode is None:
+            self._decode = triton_launch.prepare(
+                self.kernels.attention_decode, self.decode_grid,
+                (*tensors, *self.decode_scalars), self.decode_constexprs,
+            )  # fmt: skip
+        else:
+            self._decode(*tensors)
+        if not self.split:
+            return
+        tensors = (part_o, part_lse, out, lse, sinks, cu_seqlens_q)
+        if self._combine is None:
+            self._combine = triton_launch.prepare(
+                self.kernels.decode_combine, self.combine_grid,
+                (*tensors, *self.combine_scalars), self.combine_constexprs,
+            )  # fmt: skip
+        else:
+            self._combine(*tensors)
+
+
+class TritonAppend:
+    """append_kv of one call's metadata (ops/decode.append's kernel path), bound to its
+    compiled kernel at the first call, as TritonDecode."""
+
+    def __init__(self, k_cache, v_cache, k, v, block_table):
+        B, Tnew, Hkv = k.shape[:3]
+        D, Dv = k.shape[-1], v.shape[-1]
+        cfg = kernels("decode").decode_config(1, D, Dv, k_cache.is_cuda)  # its head-dim blocks
+        paged = block_table is not None
+        self.scalars = (
+            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_table.stride(0) if paged else 0, Tnew, Hkv, D, Dv,
+            kvcache_capacity(k_cache, block_table), k_cache.shape[0],
+        )  # fmt: skip
+        self.constexprs = dict(PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+                               BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=1)  # fmt: skip
+        self.grid = (B * Tnew * Hkv,)
+        self.empty = B * Tnew * Hkv == 0
+        self._launch = None
+
+    def __call__(self, k_cache, v_cache, k, v, seqlens, block_table):
+        if self.empty:
+            return
+        tensors = (k, v, k_cache, v_cache, seqlens, block_table)
+        if self._launch is None:
+            self._launch = triton_launch.prepare(kernels("decode").append_kv, self.grid,
+                                                 (*tensors, *self.scalars), self.constexprs)  # fmt: skip
+        else:
+            self._launch(*tensors)
+
+
+def append_uses_kernel(k_cache) -> bool:
+    """Whether the append runs append_kv (a GPU with Triton) or torch's indexed writes."""
+    return k_cache.is_cuda and backends.TRITON_INSTALLED
 
 
 def append(k_cache, v_cache, k, v, seqlens, block_table, *, kernel: bool | None = None):
     """attention_with_kvcache's in-place append, before any backend runs: on a GPU with Triton
     (kernel=None) one launch of append_kv, else torch's indexed writes (append_to_cache: about
     ten ops, 170 µs of the host's time per decode step on the CPU machine). The same bits."""
-    B, Tnew, Hkv = k.shape[:3]
     if kernel is None:
-        kernel = k_cache.is_cuda and backends.TRITON_INSTALLED
+        kernel = append_uses_kernel(k_cache)
     if not kernel:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
         return
-    if B * Tnew * Hkv == 0:
-        return
-    D, Dv = k.shape[-1], v.shape[-1]
-    cfg = kernels("decode").decode_config(1, D, Dv, k_cache.is_cuda)  # its head-dim blocks
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    paged = block_table is not None
-    capacity = kvcache_capacity(k_cache, block_table)
-    table = block_table.contiguous() if paged else None
-    args = (
-        k, v, k_cache, v_cache, seqlens.contiguous(), table, *k.stride()[:3], *v.stride()[:3],
-        *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
-        Tnew, Hkv, D, Dv, capacity, k_cache.shape[0],
-    )  # fmt: skip
-    constexprs = dict(PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-                      BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=1)  # fmt: skip
-    triton_launch.launch(kernels("decode").append_kv, (B * Tnew * Hkv,), args, constexprs)
+    table = dense(block_table)
+    TritonAppend(k_cache, v_cache, k, v, table)(k_cache, v_cache, k, v, dense(seqlens), table)
 
 
 backends.register("attention_with_kvcache", "reference", _reference, backends.no_refusals)
@@ -299,6 +375,16 @@ def attention_with_kvcache(
     never read or write outside the caches, the block table or the lengths whatever the
     values.
     """
+    plan_key = None
+    if not tracing():  # an eager call of known metadata: its plan (decode_plan.py)
+        plan_key = decode_plan.key(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
+            is_causal, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
+        )  # fmt: skip
+        plan = decode_plan.get(plan_key)
+        if plan is not None:
+            return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
+                        alibi_slopes, sinks)  # fmt: skip
     window, seqlens = check_kvcache_args(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
         is_causal, window_size, softcap, alibi_slopes, sinks, num_splits,
@@ -314,11 +400,18 @@ def attention_with_kvcache(
     if tracing():  # torch.compile / jit.trace: the custom ops (decode_ops.py)
         return decode_ops.record(q, k_cache, v_cache, k, v, seqlens, inputs, check_values,
                                  impl.backend)  # fmt: skip
-    if check_values:
-        check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, Tnew)
-    if k is not None:
-        append(k_cache, v_cache, k, v, seqlens, block_table)
-    return impl.run(**inputs)
+    int_seqlens = None if isinstance(cache_seqlens, torch.Tensor) else seqlens
+    if impl.backend == "triton":
+        plan = decode_plan.TritonPlan(
+            q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, scale, window,
+            softcap, alibi_slopes, sinks, num_splits, return_lse, check_values, int_seqlens,
+        )  # fmt: skip
+    else:
+        plan = decode_plan.Plan(impl, window, scale, softcap, num_splits, return_lse,
+                                check_values, int_seqlens, Tnew)  # fmt: skip
+    decode_plan.remember(plan_key, plan)
+    return plan(q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, alibi_slopes,
+                sinks)  # fmt: skip
 
 
 CHECK_VALUES_ENV = "FUSEDATTN_CHECK_VALUES"

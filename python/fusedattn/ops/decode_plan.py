@@ -1,0 +1,153 @@
+"""Plans for attention_with_kvcache's eager calls: what a call's metadata decides, decided once.
+
+A decode loop repeats one call with new tensors of the same shapes, step after step, layer
+after layer. Everything but the values is the same each time: the validation of the arguments,
+the backend's refusals and auto's choice, the kernel's tiles, key splits, grid, scalar
+arguments and compiled kernel. A plan holds those for one key: every tensor argument's shape,
+strides, dtype, device, requires_grad and 16-byte alignment, every Python argument, grad mode,
+the current CUDA device and the environment switches the call reads (FUSEDATTN_BACKEND under
+`auto`, FUSEDATTN_CHECK_VALUES). A call whose key has a plan runs it: the value checks where
+they apply (the CPU, the reference and torch backends), the outputs' allocation, and the
+launches through the launchers bound at the plan's first call (triton_launch.prepare) — one
+for the append, one for the decode, one for the combine of its key splits (FlashInfer's
+plan/run split, on fusedattn's own key). A new key goes through the full validation once,
+which raises the errors of a bad call as before and builds the plan. Tracing (torch.compile,
+jit.trace) never uses plans: it records the custom ops (decode_ops.py).
+
+Host time of a decode step with its append, Llama-3-8B heads, 1k cache, on the 2-core CPU
+machine with the kernels compiled for sm_90 and the driver launch stubbed
+(benchmarks/bench_host.py): see benchmarks/results/host-cpu/.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checks import check_kvcache_values
+
+MAX_PLANS = 512  # distinct call metadata kept before the cache starts over
+_PLANS: dict = {}
+_ENV = ("FUSEDATTN_BACKEND", "FUSEDATTN_CHECK_VALUES")
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16 == 0)
+
+
+def key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale, is_causal,
+        window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, backend):  # fmt: skip
+    """The call's plan key, or None when an argument is not of a kind plans key (the full
+    path then takes the call, and raises if it is bad)."""
+    if type(cache_seqlens) is not int:
+        cache_seqlens = _meta(cache_seqlens)
+    try:
+        return (
+            _meta(q), _meta(k_cache), _meta(v_cache),
+            None if k is None else _meta(k), None if v is None else _meta(v), cache_seqlens,
+            None if block_table is None else _meta(block_table),
+            None if cache_leftpad is None else _meta(cache_leftpad),
+            None if alibi_slopes is None else _meta(alibi_slopes),
+            None if sinks is None else _meta(sinks),
+            scale, is_causal, None if window_size is None else tuple(window_size), softcap,
+            num_splits, return_lse, backend, torch.is_grad_enabled(),
+            torch._C._cuda_getDevice() if q.is_cuda else -1,
+            os.environ.get(_ENV[0]) if backend == "auto" else None, os.environ.get(_ENV[1]),
+        )  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def get(plan_key):
+    return None if plan_key is None else _PLANS.get(plan_key)
+
+
+def remember(plan_key, plan) -> None:
+    if plan_key is None:
+        return
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[plan_key] = plan
+
+
+class Plan:
+    """One call's decisions: the backend's implementation, its keyword arguments but the
+    tensors, whether to check values, the append. Runs a call of the same key."""
+
+    def __init__(self, impl, window, scale, softcap, num_splits, return_lse, check_values,
+                 seqlens, Tnew: int):  # fmt: skip
+        from . import decode  # the backends live there; this module is imported by it
+
+        self.run = None if impl is None else impl.run
+        self.kwargs = dict(scale=scale, window=window, softcap=float(softcap),
+                           num_splits=int(num_splits), return_lse=return_lse, key_mask=None)  # fmt: skip
+        self.check_values = check_values
+        self.seqlens = seqlens  # the tensor an int cache_seqlens became (read only), or None
+        self.Tnew = Tnew
+        self.append = decode.append
+
+    def lengths(self, cache_seqlens):
+        return self.seqlens if self.seqlens is not None else cache_seqlens
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
+                 alibi_slopes, sinks):  # fmt: skip
+        seqlens = self.lengths(cache_seqlens)
+        if self.check_values:
+            check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, self.Tnew)
+        if k is not None:
+            self.append(k_cache, v_cache, k, v, seqlens, block_table)
+            seqlens = seqlens + self.Tnew
+        return self.run(q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens,
+                        block_table=block_table, cache_leftpad=cache_leftpad,
+                        alibi_slopes=alibi_slopes, sinks=sinks, **self.kwargs)  # fmt: skip
+
+
+class TritonPlan(Plan):
+    """The Triton backend's plan: the append and the decode launches built once (TritonAppend,
+    TritonDecode), the new keys counted in the kernel (seqlen_add) rather than by adding to the
+    lengths on the host; the dense copies the key's strides call for, made per call."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, scale,
+                 window, softcap, alibi_slopes, sinks, num_splits, return_lse, check_values,
+                 int_seqlens):  # fmt: skip
+        from . import decode
+        from .decode import TritonAppend, TritonDecode, dense
+
+        Tnew = 0 if k is None else k.shape[1]
+        super().__init__(None, window, scale, softcap, num_splits, return_lse, check_values,
+                         int_seqlens, Tnew)  # fmt: skip
+        self.dense = dense
+        self.copy_q = q.stride(-1) != 1
+        self.copy_k = k is not None and k.stride(-1) != 1
+        self.copy_v = v is not None and v.stride(-1) != 1
+        q = q.contiguous() if self.copy_q else q
+        self.decode = TritonDecode(
+            q, k_cache, v_cache, dense(block_table), dense(cache_leftpad), None, None,
+            q.shape[0], q.shape[1], scale, window, softcap, dense(alibi_slopes), dense(sinks),
+            num_splits, seqlen_add=Tnew,
+        )  # fmt: skip
+        self.triton_append = None
+        if k is not None and decode.append_uses_kernel(k_cache):  # else torch's indexed writes
+            kk, vv = (k.contiguous() if self.copy_k else k), (v.contiguous() if self.copy_v else v)
+            self.triton_append = TritonAppend(k_cache, v_cache, kk, vv, dense(block_table))
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
+                 alibi_slopes, sinks):  # fmt: skip
+        dense = self.dense
+        seqlens = dense(self.lengths(cache_seqlens))
+        block_table, cache_leftpad = dense(block_table), dense(cache_leftpad)
+        if self.check_values:
+            check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, self.Tnew)
+        if k is not None:
+            k = k.contiguous() if self.copy_k else k
+            v = v.contiguous() if self.copy_v else v
+            if self.triton_append is not None:
+                self.triton_append(k_cache, v_cache, k, v, seqlens, block_table)
+            else:
+                self.append(k_cache, v_cache, k, v, seqlens, block_table)
+        q = q.contiguous() if self.copy_q else q
+        out, lse = self.decode.outputs(q)
+        self.decode(q, k_cache, v_cache, out, lse, seqlens, cache_leftpad, block_table,
+                    dense(alibi_slopes), dense(sinks), None, None)  # fmt: skip
+        return (out, lse) if self.kwargs["return_lse"] else out
