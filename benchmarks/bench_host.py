@@ -142,7 +142,7 @@ def forget_plans() -> None:
     if importlib.util.find_spec("fusedattn.ops.decode_plan") is not None:
         from fusedattn.ops import decode_plan
 
-        decode_plan._PLANS.clear()
+        decode_plan.PLANS.clear()
 
 
 def check_launches(fusedattn) -> list[str]:

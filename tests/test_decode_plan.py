@@ -14,9 +14,9 @@ BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kerne
 
 @pytest.fixture(autouse=True)
 def no_plans():
-    decode_plan._PLANS.clear()
+    decode_plan.PLANS.clear()
     yield
-    decode_plan._PLANS.clear()
+    decode_plan.PLANS.clear()
 
 
 def step_inputs(seed, paged=False):
@@ -40,8 +40,8 @@ def test_a_planned_call_equals_the_full_path(backend, layout):
         q, k, v, lengths = step_inputs(step)
         got = fusedattn.attention_with_kvcache(q, *planned_caches[:2], k, v,
                                                cache_seqlens=lengths, **kw)  # fmt: skip
-        assert (len(decode_plan._PLANS) == 1) and step >= 0
-        decode_plan._PLANS.clear()  # the full path for the same call
+        assert (len(decode_plan.PLANS.plans) == 1) and step >= 0
+        decode_plan.PLANS.clear()  # the full path for the same call
         want = fusedattn.attention_with_kvcache(q, *fresh_caches[:2], k, v, cache_seqlens=lengths,
                                                 **kw)  # fmt: skip
         for a, b in zip(got if isinstance(got, tuple) else (got,),
@@ -56,8 +56,8 @@ def test_an_int_cache_seqlens_is_part_of_the_key():
     kc, vc = torch.randn(2, 48, 2, 16), torch.randn(2, 48, 2, 16)
     a = fusedattn.attention_with_kvcache(q, kc, vc, cache_seqlens=10)
     b = fusedattn.attention_with_kvcache(q, kc, vc, cache_seqlens=30)
-    assert len(decode_plan._PLANS) == 2 and not torch.equal(a, b)
-    decode_plan._PLANS.clear()
+    assert len(decode_plan.PLANS.plans) == 2 and not torch.equal(a, b)
+    decode_plan.PLANS.clear()
     torch.testing.assert_close(fusedattn.attention_with_kvcache(q, kc, vc, cache_seqlens=30), b)
 
 
@@ -85,7 +85,7 @@ def test_a_planned_call_still_checks_the_values(backend):
         with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 48 is outside \[0, 47\]"):
             fusedattn.attention_with_kvcache(q, kc, vc, k, v, backend=backend,
                                              cache_seqlens=torch.tensor([3, 48], dtype=torch.int32))  # fmt: skip
-    assert torch.equal(kc, before) and len(decode_plan._PLANS) == 1
+    assert torch.equal(kc, before) and len(decode_plan.PLANS.plans) == 1
 
 
 def test_strides_and_alignment_are_part_of_the_key():
@@ -98,4 +98,4 @@ def test_strides_and_alignment_are_part_of_the_key():
     fusedattn.attention_with_kvcache(q, hf, hf, cache_seqlens=lengths)
     shifted = torch.randn(2 * 48 * 2 * 16 + 1)[1:].view(2, 48, 2, 16)
     fusedattn.attention_with_kvcache(q, shifted, shifted, cache_seqlens=lengths)
-    assert len(decode_plan._PLANS) == 3
+    assert len(decode_plan.PLANS.plans) == 3

@@ -15,7 +15,7 @@ from ..checks import (
 )
 from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from ..reference.attention import paged_key_count
-from . import backends, decode_ops, flash_attention
+from . import backends, decode_ops, flash_attention, plans
 from .autocast import apply_autocast
 from .rowwise import new_output, tracing
 
@@ -288,6 +288,14 @@ def attention(
     over the keys it can see (key padding, causal, window) before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
     with -1e9 or finfo.min on every key gives the softmax of its scores.
     """
+    plan_key = None
+    if not tracing():  # an eager call of known metadata: its plan
+        plan_key = _plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             key_padding_mask, window_size, softcap, alibi_slopes, sinks,
+                             causal_alignment, return_lse, backend)  # fmt: skip
+        plan = PLANS.get(plan_key)
+        if plan is not None:
+            return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks)
     cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
     q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
     window = check_attention_args(
@@ -304,11 +312,80 @@ def attention(
         enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
     )  # fmt: skip
-    result = backends.select("attention", backend, q.device, inputs).run(**inputs)
+    impl = backends.select("attention", backend, q.device, inputs)
+    if plan_key is not None:
+        plan = AttentionPlan(impl, inputs)
+        PLANS.remember(plan_key, plan)
+        result = plan.run(inputs)
+    else:
+        result = impl.run(**inputs)
     if return_lse and shift is not None:
         out, lse = result
         return out, lse + shift.float()
     return result
+
+
+PLANS = plans.Cache("attention")
+
+
+def _plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+              window_size, softcap, alibi_slopes, sinks, causal_alignment, return_lse,
+              backend):  # fmt: skip
+    """fusedattn.attention's plan key (plans.py), or None for a call plans do not cover:
+    under autocast, or with an argument of a kind they do not key (the full path takes it)."""
+    try:
+        if torch.is_autocast_enabled(q.device.type):
+            return None
+        return (
+            plans.meta(q), plans.meta(k), plans.meta(v), plans.meta(attn_mask),
+            plans.meta(key_padding_mask), plans.meta(alibi_slopes), plans.meta(sinks),
+            dropout_p, is_causal, scale, enable_gqa,
+            None if window_size is None else tuple(window_size), softcap, causal_alignment,
+            return_lse, backend, *plans.process_state(q, backend),
+            torch.backends.cuda.matmul.allow_tf32,
+        )  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+class AttentionPlan:
+    """fusedattn.attention's decisions for one key: the backend, its keyword arguments, the
+    float-mask shift, and for the Triton kernels a TritonAttentionLaunch template (its launch
+    arguments worked out once, its launchers bound at their first call, the backward's
+    included: flash_attention._forward)."""
+
+    def __init__(self, impl, inputs: dict):
+        self.impl = impl
+        self.window = inputs["window"]
+        self.shift = inputs["attn_mask"] is not None and inputs["sinks"] is None
+        self.kwargs = {n: inputs[n] for n in ("dropout_p", "scale", "enable_gqa", "window",
+                                              "softcap", "return_lse")}  # fmt: skip
+        self.template = None
+        if impl.run is flash_attention.run_triton:  # the module's own (not a wrapper of it)
+            self.template = flash_attention.attention_template(
+                inputs["q"], inputs["k"], inputs["v"], inputs["attn_mask"],
+                inputs["key_padding_mask"], inputs["alibi_slopes"], inputs["sinks"],
+                self.window, inputs["scale"], inputs["softcap"], inputs["dropout_p"],
+            )  # fmt: skip
+
+    def run(self, inputs: dict):
+        """One call's inputs (after the shift) through the backend."""
+        if self.template is not None:
+            return self.impl.run(**inputs, template=self.template)
+        return self.impl.run(**inputs)
+
+    def __call__(self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks):
+        shift = None
+        if self.shift:
+            visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
+            attn_mask, shift = shift_float_mask(attn_mask, visible)
+        result = self.run(dict(q=q, k=k, v=v, attn_mask=attn_mask,
+                               key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
+                               sinks=sinks, **self.kwargs))  # fmt: skip
+        if shift is not None and self.kwargs["return_lse"]:
+            out, lse = result
+            return out, lse + shift.float()
+        return result
 
 
 def varlen_attention(

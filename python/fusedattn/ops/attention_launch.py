@@ -8,6 +8,7 @@ argument lists for sm_90 without a GPU (`config=` there picks the tiles to scree
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -115,8 +116,12 @@ class TritonAttentionLaunch:
     def __init__(
         self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
-        scale, softcap, dropout_p, seed, *, config=None, interpreted=None,
+        scale, softcap, dropout_p, seed, *, config=None, interpreted=None, planned=False,
     ):  # fmt: skip
+        # planned: a template a plan keeps for every call of its metadata (bind() gives each
+        # call's launch); each kernel's launcher is bound at its first launch and shared
+        self.prepared = {} if planned else None
+        self.use_tma = {}
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
             self.B = cu_seqlens_q.shape[0] - 1
@@ -184,38 +189,87 @@ class TritonAttentionLaunch:
         if grid[0]:
             triton_launch.launch(kernel, grid, args, constexprs)
 
-    def fwd_args(self, q, k, v, out, lse):
-        strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
-        t = self.cfg.fwd
-        # 2-byte dtypes only: fp32 tiles spilled 3-54 KB through descriptors on sm_90 (Triton
-        # 3.6), and fp32 is not where a speed user is
-        use_tma = t.tma and not self.varlen and q.element_size() == 2
-        use_tma = use_tma and tma_compatible(q, k, v, out)
+    def bind(self, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+             seed):  # fmt: skip
+        """This template's launch for one call's tensors: the metadata's decisions kept, the
+        tensor-derived arguments (mask view, key range, parameters, seed) made anew, the bound
+        launchers shared. With none of those the template itself serves the call (its own are
+        None too: it was built from a call of this key)."""
+        per_call = (attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, seed)
+        if all(t is None for t in per_call):
+            return self
+        launch = copy.copy(self)
+        if not self.varlen:
+            q_shape = (self.B, self.H, self.Tq)
+            launch.mask = None if attn_mask is None else attn_mask.expand(*q_shape, self.Tk)
+            launch.kpm = None if key_padding_mask is None else key_padding_mask.contiguous()
+            launch.kv_range = (
+                None if launch.kpm is None or launch.kpm.numel() == 0
+                else valid_key_range(launch.kpm)
+            )  # fmt: skip
+        launch.slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+        launch.sinks = None if sinks is None else sinks.contiguous()
+        launch.cu_q, launch.cu_k, launch.seed = cu_seqlens_q, cu_seqlens_k, seed
+        return launch
+
+    def run(self, name, kernel, make, tensors, *operands) -> None:
+        """Launch `kernel` for these operands: make(*operands) gives (grid, args, constexprs);
+        a planned launch after the first calls its bound launcher with tensors(*operands),
+        the tensor arguments alone (the rest is the metadata's, the same every call)."""
+        prepared = None if self.prepared is None else self.prepared.get(name)
+        if prepared is not None:
+            prepared(*tensors(*operands))
+            return
+        grid, args, constexprs = make(*operands)
+        if not grid[0]:
+            return
+        if self.prepared is None:
+            triton_launch.launch(kernel, grid, args, constexprs)
+        else:
+            self.prepared[name] = triton_launch.prepare(kernel, grid, args, constexprs)
+
+    def fwd_tensors(self, q, k, v, out, lse):
+        use_tma = self.use_tma.get("fwd")
+        if use_tma is None:
+            t = self.cfg.fwd
+            # 2-byte dtypes only: fp32 tiles spilled 3-54 KB through descriptors on sm_90
+            # (Triton 3.6), and fp32 is not where a speed user is
+            use_tma = t.tma and not self.varlen and q.element_size() == 2
+            use_tma = self.use_tma["fwd"] = use_tma and tma_compatible(q, k, v, out)
         if use_tma:
-            bd, bdv = self.cfg.block_d, self.cfg.block_dv
+            t, bd, bdv = self.cfg.fwd, self.cfg.block_d, self.cfg.block_dv
             q, out = descriptor(q, t.block_m, bd), descriptor(out, t.block_m, bdv)
             k, v = descriptor(k, t.block_n, bd), descriptor(v, t.block_n, bdv)
+        return (q, k, v, out, lse, self.mask, self.kpm, self.kv_range, self.seed, self.slopes,
+                self.sinks, self.cu_q, self.cu_k)  # fmt: skip
+
+    def fwd_args(self, q, k, v, out, lse):
+        strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
+        tensors = self.fwd_tensors(q, k, v, out, lse)
+        use_tma = self.use_tma["fwd"]
         args = (
-            q, k, v, out, lse, self.mask, self.kpm, self.kv_range, self.seed, self.slopes,
-            self.sinks, self.cu_q, self.cu_k, *strides, *self.lse_strides, *self.mask_strides,
+            *tensors, *strides, *self.lse_strides, *self.mask_strides,
             self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
             self.query_blocks("fwd"), *self.scalars,
         )  # fmt: skip
         constexprs = dict(
             HAS_SINKS=self.sinks is not None, USE_TMA=use_tma, **self.flags, **self.tiles("fwd")
         )
-        if t.pipeline:
+        if self.cfg.fwd.pipeline:
             constexprs["PIPELINE"] = True
         scale, softcap = self.scalars[0], self.scalars[1]
         if self.mask is not None and softcap == 0.0 and scale != 0.0:
             constexprs["MASK_IN_DOT"] = True  # the mask as the dot's accumulator (_fwd_scores)
         return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
 
+    def dkdv_tensors(self, q, k, v, do, lse, delta, dk, dv):
+        return (q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.kv_range, self.seed,
+                self.slopes, self.cu_q, self.cu_k)  # fmt: skip
+
     def dkdv_args(self, q, k, v, do, lse, delta, dk, dv):
         args = (
-            q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.kv_range, self.seed,
-            self.slopes,
-            self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
+            *self.dkdv_tensors(q, k, v, do, lse, delta, dk, dv),
+            *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(do), *self.strides(dk), *self.strides(dv), *self.lse_strides,
             *self.mask_strides, self.alibi_stride, self.H, self.Hkv, self.Tq, self.Tk, self.D,
             self.Dv, self.H // self.Hkv, self.key_blocks("dkdv"), *self.scalars,
@@ -224,11 +278,15 @@ class TritonAttentionLaunch:
         merge = dict(MERGE_BOUNDARIES=True) if self.cfg.dkdv.merge else {}
         return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge)
 
+    def dq_tensors(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad=None,
+                   exact_delta=None):  # fmt: skip
+        return (q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.kv_range,
+                self.seed, self.slopes, self.sinks, self.cu_q, self.cu_k)  # fmt: skip
+
     def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad, exact_delta=None):
         args = (
-            q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.kv_range,
-            self.seed, self.slopes, self.sinks,
-            self.cu_q, self.cu_k, *self.strides(q), *self.strides(k), *self.strides(v),
+            *self.dq_tensors(q, k, v, out, do, lse, delta, dq, dmask),
+            *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(out), *self.strides(do), *self.strides(dq), *self.lse_strides,
             *self.mask_strides,
             self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,

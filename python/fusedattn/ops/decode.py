@@ -381,7 +381,7 @@ def attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
             is_causal, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
         )  # fmt: skip
-        plan = decode_plan.get(plan_key)
+        plan = decode_plan.PLANS.get(plan_key)
         if plan is not None:
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
                         alibi_slopes, sinks)  # fmt: skip
@@ -401,15 +401,15 @@ def attention_with_kvcache(
         return decode_ops.record(q, k_cache, v_cache, k, v, seqlens, inputs, check_values,
                                  impl.backend)  # fmt: skip
     int_seqlens = None if isinstance(cache_seqlens, torch.Tensor) else seqlens
-    if impl.backend == "triton":
+    if impl.run is _triton:  # the module's own Triton backend (not a wrapper of it)
         plan = decode_plan.TritonPlan(
-            q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, scale, window,
+            impl, q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, scale, window,
             softcap, alibi_slopes, sinks, num_splits, return_lse, check_values, int_seqlens,
         )  # fmt: skip
     else:
         plan = decode_plan.Plan(impl, window, scale, softcap, num_splits, return_lse,
                                 check_values, int_seqlens, Tnew)  # fmt: skip
-    decode_plan.remember(plan_key, plan)
+    decode_plan.PLANS.remember(plan_key, plan)
     return plan(q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, alibi_slopes,
                 sinks)  # fmt: skip
 

@@ -23,52 +23,27 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from ..checks import check_kvcache_values
+from .plans import Cache, meta, process_state
 
-MAX_PLANS = 512  # distinct call metadata kept before the cache starts over
-_PLANS: dict = {}
-_ENV = ("FUSEDATTN_BACKEND", "FUSEDATTN_CHECK_VALUES")
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16 == 0)
+PLANS = Cache("attention_with_kvcache")
 
 
 def key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale, is_causal,
         window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, backend):  # fmt: skip
     """The call's plan key, or None when an argument is not of a kind plans key (the full
     path then takes the call, and raises if it is bad)."""
-    if type(cache_seqlens) is not int:
-        cache_seqlens = _meta(cache_seqlens)
     try:
+        lengths = cache_seqlens if type(cache_seqlens) is int else meta(cache_seqlens)
         return (
-            _meta(q), _meta(k_cache), _meta(v_cache),
-            None if k is None else _meta(k), None if v is None else _meta(v), cache_seqlens,
-            None if block_table is None else _meta(block_table),
-            None if cache_leftpad is None else _meta(cache_leftpad),
-            None if alibi_slopes is None else _meta(alibi_slopes),
-            None if sinks is None else _meta(sinks),
-            scale, is_causal, None if window_size is None else tuple(window_size), softcap,
-            num_splits, return_lse, backend, torch.is_grad_enabled(),
-            torch._C._cuda_getDevice() if q.is_cuda else -1,
-            os.environ.get(_ENV[0]) if backend == "auto" else None, os.environ.get(_ENV[1]),
+            meta(q), meta(k_cache), meta(v_cache), meta(k), meta(v), lengths, meta(block_table),
+            meta(cache_leftpad), meta(alibi_slopes), meta(sinks), scale, is_causal,
+            None if window_size is None else tuple(window_size), softcap, num_splits,
+            return_lse, backend, *process_state(q, backend),
+            os.environ.get("FUSEDATTN_CHECK_VALUES"),
         )  # fmt: skip
     except (AttributeError, TypeError, RuntimeError):
         return None
-
-
-def get(plan_key):
-    return None if plan_key is None else _PLANS.get(plan_key)
-
-
-def remember(plan_key, plan) -> None:
-    if plan_key is None:
-        return
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[plan_key] = plan
 
 
 class Plan:
@@ -79,7 +54,8 @@ class Plan:
                  seqlens, Tnew: int):  # fmt: skip
         from . import decode  # the backends live there; this module is imported by it
 
-        self.run = None if impl is None else impl.run
+        self.impl = impl
+        self.run = impl.run
         self.kwargs = dict(scale=scale, window=window, softcap=float(softcap),
                            num_splits=int(num_splits), return_lse=return_lse, key_mask=None)  # fmt: skip
         self.check_values = check_values
@@ -108,14 +84,14 @@ class TritonPlan(Plan):
     TritonDecode), the new keys counted in the kernel (seqlen_add) rather than by adding to the
     lengths on the host; the dense copies the key's strides call for, made per call."""
 
-    def __init__(self, q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, scale,
-                 window, softcap, alibi_slopes, sinks, num_splits, return_lse, check_values,
-                 int_seqlens):  # fmt: skip
+    def __init__(self, impl, q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad,
+                 scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse,
+                 check_values, int_seqlens):  # fmt: skip
         from . import decode
         from .decode import TritonAppend, TritonDecode, dense
 
         Tnew = 0 if k is None else k.shape[1]
-        super().__init__(None, window, scale, softcap, num_splits, return_lse, check_values,
+        super().__init__(impl, window, scale, softcap, num_splits, return_lse, check_values,
                          int_seqlens, Tnew)  # fmt: skip
         self.dense = dense
         self.copy_q = q.stride(-1) != 1

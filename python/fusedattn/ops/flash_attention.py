@@ -196,10 +196,12 @@ def attention_fwd_impl(
 def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
                        bottom_right, scale, softcap, dropout_p, seed, backend,
-                       out_dtype=None):  # fmt: skip
+                       out_dtype=None, template=None):  # fmt: skip
     """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
     to reuse. out_dtype: the output's dtype if not q's (Triton: context parallelism keeps a
-    block's output in fp32 for the merge)."""
+    block's output in fp32 for the merge). template: a plan's TritonAttentionLaunch for this
+    call's metadata (attention_plan.py), bound to this call's tensors instead of building
+    one."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
     out = _empty_out_like(q, v.shape[-1], varlen, out_dtype)
@@ -213,17 +215,21 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
             scale, dropout_p, seed,
         )  # fmt: skip
         return out, lse, None
-    L = TritonAttentionLaunch(
-        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
-        dropout_p, seed,
-    )  # fmt: skip
+    if template is not None:
+        L = template.bind(attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+                          cu_seqlens_k, seed)  # fmt: skip
+    else:
+        L = TritonAttentionLaunch(
+            q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
+            scale, softcap, dropout_p, seed,
+        )  # fmt: skip
     lse = new_output(L.lse_shape, torch.float32, q.device)
     if out.numel() == 0 or L.B * L.query_blocks("fwd") == 0:
         return out.zero_(), lse.fill_(float("-inf")), L
     if L.Tk == 0:
         return (*_no_keys(out, lse, L.sinks), L)
-    L.launch(L.K.attention_fwd, *L.fwd_args(q, k, v, out, lse))
+    L.run("fwd", L.K.attention_fwd, L.fwd_args, L.fwd_tensors, q, k, v, out, lse)
     return out, lse, L
 
 
@@ -319,23 +325,14 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
         dropout_p, seed,
     )  # fmt: skip
     delta = new_output(L.lse_shape, torch.float32, q.device)  # written by the dq kernel
-    L.launch(
-        L.K.attention_bwd_dq,
-        *L.dq_args(
-            q,
-            k,
-            v,
-            out,
-            do,
-            lse,
-            delta,
-            dq,
-            dmask,
-            mask_grad,
-            exact_delta=False if delta_from_out else None,
-        ),
-    )
-    L.launch(L.K.attention_bwd_dkdv, *L.dkdv_args(q, k, v, do, lse, delta, dk, dv))
+    exact_delta = False if delta_from_out else None
+    # the output gradient is the one tensor a plan's key did not see: its layout names the
+    # bound launchers (a planned template's), so another layout gets its own
+    do_layout = (do.stride(), do.data_ptr() % 16 == 0)
+    L.run(("dq", mask_grad, exact_delta, do_layout), L.K.attention_bwd_dq, L.dq_args,
+          L.dq_tensors, q, k, v, out, do, lse, delta, dq, dmask, mask_grad, exact_delta)  # fmt: skip
+    L.run(("dkdv", do_layout), L.K.attention_bwd_dkdv, L.dkdv_args, L.dkdv_tensors, q, k, v, do,
+          lse, delta, dk, dv)  # fmt: skip
     if sinks is not None:  # d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
         sink = sinks.float().view(-1, 1) if varlen else sinks.float().view(1, -1, 1)
         p_sink = torch.exp(sink - lse)
@@ -407,10 +404,10 @@ class EagerAttention(torch.autograd.Function):
     (_forward picks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, rest):
+    def forward(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, rest, template):
         *scalars, seed, backend = rest
         out, lse, ctx.launch = _attention_forward(
-            q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, *rest
+            q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, *rest, template=template
         )
         _save(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, scalars, seed,
               backend, out, lse)  # fmt: skip
@@ -420,12 +417,14 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable  # as the custom op: no double backward (not a silent zero)
     def backward(ctx, dout, _dlse):
         bwd = functools.partial(_attention_backward, launch=ctx.launch)
-        return _grads(ctx, dout, bwd, 10)
+        return _grads(ctx, dout, bwd, 11)
 
 
 def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, dropout_p, scale, window, softcap, alibi_slopes, sinks, return_lse,
-             backend):  # fmt: skip
+             backend, template=None):  # fmt: skip
+    """The kernel backends' forward (and backward through autograd); template: a plan's
+    TritonAttentionLaunch for this call's metadata (eager calls only)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     seed = None
     if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
@@ -437,19 +436,31 @@ def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, m
     if tracing():  # torch.compile or jit.trace: record the custom op
         out, lse = torch.ops.fusedattn.attention_fwd(*tensors, *rest)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        out, lse = EagerAttention.apply(*tensors, rest)
+        out, lse = EagerAttention.apply(*tensors, rest, template)
     else:  # inference: no autograd node to build
-        out, lse, _launch = _attention_forward(*tensors, *rest)
+        out, lse, _launch = _attention_forward(*tensors, *rest, template=template)
     return (out, lse) if return_lse else out
 
 
 def run(
     q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
-    alibi_slopes, sinks, return_lse, *, backend,
+    alibi_slopes, sinks, return_lse, *, backend, template=None,
 ):  # fmt: skip
     """The `triton` and `cuda` backends of fusedattn.attention."""
     return _forward(q, k, v, attn_mask, key_padding_mask, None, None, 0, 0, dropout_p, scale,
-                    window, softcap, alibi_slopes, sinks, return_lse, backend)  # fmt: skip
+                    window, softcap, alibi_slopes, sinks, return_lse, backend, template)  # fmt: skip
+
+
+def attention_template(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, window, scale,
+                       softcap, dropout_p) -> TritonAttentionLaunch:  # fmt: skip
+    """A plan's TritonAttentionLaunch for a dense call of this metadata (the tensors given are
+    one call's, after the float-mask shift)."""
+    q, k, v = _kernel_layout("triton", q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return TritonAttentionLaunch(
+        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None, 0, 0, window.left,
+        window.right, window.bottom_right, scale, softcap, dropout_p, None, planned=True,
+    )  # fmt: skip
 
 
 def run_varlen(

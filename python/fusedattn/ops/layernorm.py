@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..checks import check_layer_norm_args
-from . import backends, norm_kernels, rowwise
+from . import backends, norm_kernels, plans, rowwise
 from .autocast import apply_autocast
 
 
@@ -72,7 +72,8 @@ def _cuda_refusals(*, x, weight, bias, **_inputs) -> list[str]:
 
 backends.register("layer_norm", "reference", _reference_layer_norm, backends.no_refusals)
 backends.register("layer_norm", "torch", _torch_layer_norm, backends.no_refusals)
-backends.register("layer_norm", "triton", _kernel_layer_norm("triton"), _triton_refusals)
+TRITON_RUN = _kernel_layer_norm("triton")  # a plan's fast path serves only this one
+backends.register("layer_norm", "triton", TRITON_RUN, _triton_refusals)
 backends.register("layer_norm", "cuda", _kernel_layer_norm("cuda"), _cuda_refusals)
 
 
@@ -90,8 +91,25 @@ def layer_norm(
     weight and bias are optional and may be x's dtype or float32; statistics are fp32 and the
     variance biased, as torch; the output has x's dtype.
     """
+    key = None
+    if not rowwise.tracing():  # an eager call of known metadata: its plan (plans.py)
+        shape_key = (
+            tuple(normalized_shape) if not isinstance(normalized_shape, int) else normalized_shape
+        )
+        key = plans.rowwise_key(x, (weight, bias), (shape_key, eps), backend, "layer_norm")
+        plan = plans.LAYER_NORM.get(key)
+        if plan is not None:
+            return plan(x=x, weight=weight, bias=bias)
     cast = apply_autocast("layer_norm", dict(x=x, weight=weight, bias=bias))
     x, weight, bias = cast["x"], cast["weight"], cast["bias"]
     shape = check_layer_norm_args(x, normalized_shape, weight, bias, eps)
     inputs = dict(x=x, normalized_shape=shape, weight=weight, bias=bias, eps=float(eps))
-    return backends.select("layer_norm", backend, x.device, inputs).run(**inputs)
+    impl = backends.select("layer_norm", backend, x.device, inputs)
+    if key is None:
+        return impl.run(**inputs)
+    n, fast = math.prod(shape), None
+    if impl.run is TRITON_RUN and n and not norm_kernels.wants_autograd(x, weight, bias):
+        fast = norm_kernels.TritonNormForward(x, n, weight, bias, float(eps), rms=False)
+    plan = plans.RowwisePlan(impl, dict(normalized_shape=shape, eps=float(eps)), fast)
+    plans.LAYER_NORM.remember(key, plan)
+    return plan(x=x, weight=weight, bias=bias)

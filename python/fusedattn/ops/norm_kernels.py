@@ -237,8 +237,46 @@ class EagerLayerNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _wants_autograd(*tensors) -> bool:
+def wants_autograd(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_wants_autograd = wants_autograd
+
+
+class TritonNormForward:
+    """The Triton LayerNorm / RMSNorm forward of one call's metadata, no gradient wanted: the
+    config, constexprs and scalar arguments worked out once, the launcher bound at the first
+    call (a plan's, plans.RowwisePlan). Takes the same tensors as _forward."""
+
+    def __init__(self, x, n, weight, bias, eps, rms):
+        K = kernels("layernorm")
+        cfg = K.layer_norm_config(n, max_one_pass_n=K.MAX_ONE_PASS_N)
+        self.kernel = K.layer_norm_fwd_one_pass if cfg.one_pass else K.layer_norm_fwd_looped
+        self.n, self.eps, self.rms = n, eps, rms
+        self.constexprs = dict(
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, RMS=rms,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        self._launch = None
+
+    def __call__(self, x, weight, bias=None):
+        n = self.n
+        rows = _rows(x, n)
+        weight, bias = dense_params(weight), dense_params(bias)
+        M = rows.shape[0]
+        y = new_output((M, n), x.dtype, x.device)
+        stats = new_output((2, M), torch.float32, x.device)  # mean, rstd: written, unread here
+        if M:
+            tensors = (rows, y, weight, bias, stats, stats[1])
+            if self._launch is None:
+                self._launch = triton_launch.prepare(
+                    self.kernel, (M,),
+                    (*tensors, rows.stride(0), y.stride(0), n, self.eps), self.constexprs,
+                )  # fmt: skip
+            else:
+                self._launch(*tensors)
+        return y.view(x.shape)
 
 
 def layer_norm(x, n, weight, bias, eps, backend):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..checks import check_rms_norm_args
-from . import backends, norm_kernels, rowwise
+from . import backends, norm_kernels, plans, rowwise
 from .autocast import apply_autocast
 
 
@@ -47,7 +47,8 @@ def _cuda_refusals(*, x, weight, **_inputs) -> list[str]:
 
 backends.register("rms_norm", "reference", _reference_rms_norm, backends.no_refusals)
 backends.register("rms_norm", "torch", _torch_rms_norm, backends.no_refusals)
-backends.register("rms_norm", "triton", _kernel_rms_norm("triton"), _triton_refusals)
+TRITON_RUN = _kernel_rms_norm("triton")  # a plan's fast path serves only this one
+backends.register("rms_norm", "triton", TRITON_RUN, _triton_refusals)
 backends.register("rms_norm", "cuda", _kernel_rms_norm("cuda"), _cuda_refusals)
 
 
@@ -65,8 +66,25 @@ def rms_norm(
     weight may be x's dtype or float32; eps=None is torch.finfo(x.dtype).eps; statistics are
     fp32 and the output has x's dtype.
     """
+    key = None
+    if not rowwise.tracing():  # an eager call of known metadata: its plan (plans.py)
+        shape_key = (
+            tuple(normalized_shape) if not isinstance(normalized_shape, int) else normalized_shape
+        )
+        key = plans.rowwise_key(x, (weight,), (shape_key, eps), backend, "rms_norm")
+        plan = plans.RMS_NORM.get(key)
+        if plan is not None:
+            return plan(x=x, weight=weight)
     cast = apply_autocast("rms_norm", dict(x=x, weight=weight))
     x, weight = cast["x"], cast["weight"]
     shape, eps = check_rms_norm_args(x, normalized_shape, weight, eps)
     inputs = dict(x=x, normalized_shape=shape, weight=weight, eps=eps)
-    return backends.select("rms_norm", backend, x.device, inputs).run(**inputs)
+    impl = backends.select("rms_norm", backend, x.device, inputs)
+    if key is None:
+        return impl.run(**inputs)
+    n, fast = math.prod(shape), None
+    if impl.run is TRITON_RUN and n and not norm_kernels.wants_autograd(x, weight):
+        fast = norm_kernels.TritonNormForward(x, n, weight, None, eps, rms=True)
+    plan = plans.RowwisePlan(impl, dict(normalized_shape=shape, eps=eps), fast)
+    plans.RMS_NORM.remember(key, plan)
+    return plan(x=x, weight=weight)

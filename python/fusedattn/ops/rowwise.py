@@ -118,6 +118,13 @@ def _strides(t4: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(t4.stride())
 
 
+def _is_view_of(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether as_4d(t) gave a view of t's own elements (not a copy) at t's offset."""
+    return view.data_ptr() == t.data_ptr() and (
+        view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    )
+
+
 @torch.library.custom_op("fusedattn::softmax_fwd", mutates_args=())
 def softmax_fwd(
     x: torch.Tensor,
@@ -215,6 +222,58 @@ def _softmax_backward(ctx, dy):
 
 
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+class TritonSoftmaxForward:
+    """The Triton softmax forward of one call's metadata, no gradient wanted: the config and
+    launch arguments worked out once, the launcher bound at the first call (a plan's,
+    plans.RowwisePlan). Takes the same tensors as _softmax_forward."""
+
+    def __init__(self, x, dim, mask, scale, is_causal):
+        self.dim, self.scale, self.is_causal = dim, scale, is_causal
+        x4 = as_4d(x, dim)
+        y = empty_softmax_like(x, dim)
+        self.y_shape = tuple(y.movedim(dim, -1).shape)  # the buffer: dim last, contiguous
+        self.shape4 = tuple(x4.shape)
+        # x and the mask as 4-D views by their strides, one call each (as_4d's chain of
+        # movedim / unsqueeze / flatten only where it had to copy)
+        self.x_stride4 = _strides(x4) if _is_view_of(x4, x) else None
+        m4 = None if mask is None else as_4d(mask.expand(x.shape), dim)
+        self.m_stride4 = _strides(m4) if m4 is not None and _is_view_of(m4, mask) else None
+        N = x4.shape[-1]
+        K = kernels("softmax")
+        cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
+        self.kernel = K.softmax_fwd_one_pass if cfg.one_pass else K.softmax_fwd_looped
+        self.grid = (x4.shape[0] * x4.shape[1] * x4.shape[2],)
+        self.constexprs = dict(
+            HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+            IS_CAUSAL=is_causal, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        self._launch = None
+
+    def __call__(self, x, mask=None):
+        dim, shape4 = self.dim, self.shape4
+        buffer = new_output(self.y_shape, x.dtype, x.device)
+        y = buffer if dim == x.dim() - 1 else buffer.movedim(-1, dim)
+        y4 = buffer.view(shape4)
+        x4 = as_4d(x, dim) if self.x_stride4 is None else x.as_strided(shape4, self.x_stride4)
+        m4 = None
+        if mask is not None:
+            m4 = (
+                as_4d(mask.expand(x.shape), dim) if self.m_stride4 is None
+                else mask.as_strided(shape4, self.m_stride4)
+            )  # fmt: skip
+        if self._launch is not None:
+            self._launch(x4, y4, m4)
+            return y
+        _, B, C, N = x4.shape
+        self._launch = triton_launch.prepare(
+            self.kernel, self.grid,
+            (x4, y4, m4, *_strides(x4), *_strides(y4),
+             *(_strides(m4) if m4 is not None else (0,) * 4), B, C, N, self.scale),
+            self.constexprs,
+        )  # fmt: skip
+        return y
 
 
 def tracing() -> bool:

@@ -7,7 +7,7 @@ import torch
 from .. import reference
 from ..checks import check_softmax_args
 from ..masks import causal_mask
-from . import backends, rowwise
+from . import backends, plans, rowwise
 from .autocast import apply_autocast
 
 
@@ -54,7 +54,8 @@ def _kernel_refusals(backend):
 
 backends.register("softmax", "reference", _reference_softmax, backends.no_refusals)
 backends.register("softmax", "torch", _torch_softmax, backends.no_refusals)
-backends.register("softmax", "triton", _kernel_softmax("triton"), _kernel_refusals("triton"))
+TRITON_RUN = _kernel_softmax("triton")  # a plan's fast path serves only this one
+backends.register("softmax", "triton", TRITON_RUN, _kernel_refusals("triton"))
 backends.register("softmax", "cuda", _kernel_softmax("cuda"), _kernel_refusals("cuda"))
 
 
@@ -72,7 +73,23 @@ def softmax(
     is_causal masks x of shape (..., Tq, Tk) top-left along dim=-1 (Tq != Tk allowed). Rows
     with nothing kept give 0 output and 0 gradient, never NaN.
     """
+    key = None
+    if not rowwise.tracing():  # an eager call of known metadata: its plan (plans.py)
+        key = plans.rowwise_key(x, (mask,), (dim, scale, is_causal), backend, "softmax")
+        plan = plans.SOFTMAX.get(key)
+        if plan is not None:
+            return plan(x=x, mask=mask)
     x = apply_autocast("softmax", dict(x=x))["x"]
     dim = check_softmax_args(x, dim, mask, scale, is_causal)
     inputs = dict(x=x, dim=dim, mask=mask, scale=scale, is_causal=is_causal)
-    return backends.select("softmax", backend, x.device, inputs).run(**inputs)
+    impl = backends.select("softmax", backend, x.device, inputs)
+    if key is None:
+        return impl.run(**inputs)
+    fast = None
+    wants_grad = torch.is_grad_enabled() and x.requires_grad
+    if impl.run is TRITON_RUN and x.numel() and not wants_grad:
+        fast = rowwise.TritonSoftmaxForward(x, dim, mask, 1.0 if scale is None else float(scale),
+                                            is_causal)  # fmt: skip
+    plan = plans.RowwisePlan(impl, dict(dim=dim, scale=scale, is_causal=is_causal), fast)
+    plans.SOFTMAX.remember(key, plan)
+    return plan(x=x, mask=mask)

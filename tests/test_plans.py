@@ -1,0 +1,125 @@
+"""Plans of the eager calls (ops/plans.py; attention_with_kvcache's in test_decode_plan.py): a
+call of known metadata skips validation, dispatch and launch preparation, and must give what
+the full path gives, forward and backward, with each call's own masks, padding and dropout
+seed; a wrapped or re-registered backend implementation is what runs."""
+
+import importlib
+
+import pytest
+import torch
+from dispatch_probe import count_dispatches
+
+import fusedattn
+from fusedattn.ops import plans
+
+attention_ops = importlib.import_module("fusedattn.ops.attention")  # the module, not the op
+
+BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
+
+
+@pytest.fixture(autouse=True)
+def no_plans():
+    caches = (attention_ops.PLANS, plans.LAYER_NORM, plans.RMS_NORM, plans.SOFTMAX)
+    for cache in caches:
+        cache.clear()
+    yield
+    for cache in caches:
+        cache.clear()
+
+
+def attention_call(seed, backend, **kw):
+    """One call's fresh tensors (the same metadata for every seed) and its outputs and grads."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=g).requires_grad_() for _ in range(3))
+    kpm = torch.rand(2, 9, generator=g) < 0.3
+    kpm[:, 0] = False
+    mask = torch.randn(9, 9, generator=g)
+    args = dict(key_padding_mask=kpm, **kw)
+    if args.pop("float_mask", False):
+        args["attn_mask"] = mask
+    torch.manual_seed(seed)  # dropout's stream
+    out = fusedattn.attention(q, k, v, backend=backend, **args)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g))
+    return out, grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "variant",
+    [dict(is_causal=True), dict(float_mask=True, window_size=(3, 0)),
+     dict(sinks=torch.randn(4), causal_alignment="bottom_right", is_causal=True)],
+    ids=["causal", "float_mask_window", "sinks"],
+)  # fmt: skip
+def test_planned_attention_calls_equal_the_full_path(backend, variant):
+    """Three steps of one metadata with new values (padding, mask) each time: the planned
+    calls give the full path's bits, forward and gradients."""
+    for seed in range(3):
+        planned = attention_call(seed, backend, **dict(variant))
+        assert len(attention_ops.PLANS.plans) == 1
+        attention_ops.PLANS.clear()
+        full = attention_call(seed, backend, **dict(variant))
+        assert torch.equal(planned[0], full[0])
+        for a, b in zip(planned[1], full[1], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.kernels
+def test_a_planned_triton_call_with_dropout_draws_each_calls_seed():
+    outs = [attention_call(seed, "triton", dropout_p=0.3)[0] for seed in (0, 1, 0)]
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.kernels
+def test_the_backward_of_a_plan_follows_the_output_gradients_layout():
+    """The output gradient is the one tensor a plan's key does not see: its strides name the
+    bound backward launchers, so a transposed gradient after a contiguous one is read right."""
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    dense = torch.randn(1, 2, 8, 16)
+    transposed = dense.transpose(1, 2).contiguous().transpose(1, 2)
+    grads = []
+    for do in (dense, transposed, dense):
+        out = fusedattn.attention(q, k, v, backend="triton")
+        grads.append(torch.autograd.grad(out, (q, k, v), do))
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2], strict=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_planned_norms_and_softmax_equal_the_full_path(backend):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    keep = torch.rand(7, 40, generator=g) > 0.2
+    ops = {
+        "layer_norm": lambda x: fusedattn.layer_norm(x, (40,), w, b, backend=backend),
+        "rms_norm": lambda x: fusedattn.rms_norm(x, 40, w, backend=backend),
+        "softmax": lambda x: fusedattn.softmax(x, -1, mask=keep, scale=0.5, backend=backend),
+        "softmax_dim0": lambda x: fusedattn.softmax(x.t(), 0, backend=backend),
+    }
+    for name, op in ops.items():
+        for grad in (False, True):
+            xs = [torch.randn(7, 40, generator=g).requires_grad_(grad) for _ in range(3)]
+            for x in xs:
+                with torch.set_grad_enabled(grad):
+                    planned = op(x)
+                for cache in (plans.LAYER_NORM, plans.RMS_NORM, plans.SOFTMAX):
+                    cache.clear()
+                with torch.set_grad_enabled(grad):
+                    full = op(x)
+                assert torch.equal(planned, full), (name, grad)
+
+
+def test_a_wrapped_implementation_is_what_runs():
+    """count_dispatches wraps every registered implementation: plans made before it are not
+    used inside it (its counts see every call), nor its own after it."""
+    q = torch.randn(1, 2, 8, 16)
+    x = torch.randn(4, 32)
+    for _ in range(2):
+        fusedattn.attention(q, q, q)
+        fusedattn.layer_norm(x, 32)
+    with count_dispatches() as counts:
+        for _ in range(3):
+            fusedattn.attention(q, q, q)
+            fusedattn.layer_norm(x, 32)
+    assert counts[("attention", "torch")] == 3 and counts[("layer_norm", "torch")] == 3
+    fusedattn.attention(q, q, q)  # the registry restored: the wrapper's plan is not used
