@@ -56,7 +56,7 @@ def layer_norm_fwd_one_pass(
     X, Y, W, B, Mean, Rstd,
     stride_x, stride_y, N, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_STATS: tl.constexpr = True,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -74,8 +74,9 @@ def layer_norm_fwd_one_pass(
     if HAS_BIAS:
         y = y + tl.load(B + cols, mask=inb, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=inb)
-    tl.store(Mean + row, mean)
-    tl.store(Rstd + row, rstd)
+    if STORE_STATS:  # the backward's; an inference call does not keep them
+        tl.store(Mean + row, mean)
+        tl.store(Rstd + row, rstd)
 
 
 @triton.jit
@@ -83,7 +84,7 @@ def layer_norm_fwd_looped(
     X, Y, W, B, Mean, Rstd,
     stride_x, stride_y, N, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_STATS: tl.constexpr = True,
 ):  # fmt: skip
     """Two reads of x: shifted sums for the statistics, then normalise. Shifting by the row's
     first element keeps sum((x - x0)^2) - n * mean(x - x0)^2 free of cancellation when the
@@ -118,8 +119,9 @@ def layer_norm_fwd_looped(
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=inb, other=0.0).to(tl.float32)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=inb)
-    tl.store(Mean + row, mean)
-    tl.store(Rstd + row, rstd)
+    if STORE_STATS:  # the backward's; an inference call does not keep them
+        tl.store(Mean + row, mean)
+        tl.store(Rstd + row, rstd)
 
 
 @triton.jit

@@ -357,6 +357,11 @@ class AttentionPlan:
     def __init__(self, impl, inputs: dict):
         self.impl = impl
         self.window = inputs["window"]
+        tensors = (inputs[n] for n in ("q", "k", "v", "attn_mask", "key_padding_mask",
+                                       "alibi_slopes", "sinks"))  # fmt: skip
+        self.autograd = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors
+        )
         self.shift = inputs["attn_mask"] is not None and inputs["sinks"] is None
         self.kwargs = {n: inputs[n] for n in ("dropout_p", "scale", "enable_gqa", "window",
                                               "softcap", "return_lse")}  # fmt: skip
@@ -379,9 +384,17 @@ class AttentionPlan:
         if self.shift:
             visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
             attn_mask, shift = shift_float_mask(attn_mask, visible)
-        result = self.run(dict(q=q, k=k, v=v, attn_mask=attn_mask,
-                               key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
-                               sinks=sinks, **self.kwargs))  # fmt: skip
+        if self.template is not None:  # straight to the Triton forward, positionally
+            kw = self.kwargs
+            result = flash_attention._forward(
+                q, k, v, attn_mask, key_padding_mask, None, None, 0, 0, kw["dropout_p"],
+                kw["scale"], self.window, kw["softcap"], alibi_slopes, sinks, kw["return_lse"],
+                "triton", self.template, self.autograd,
+            )  # fmt: skip
+        else:
+            result = self.run(dict(q=q, k=k, v=v, attn_mask=attn_mask,
+                                   key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
+                                   sinks=sinks, **self.kwargs))  # fmt: skip
         if shift is not None and self.kwargs["return_lse"]:
             out, lse = result
             return out, lse + shift.float()

@@ -422,9 +422,11 @@ class EagerAttention(torch.autograd.Function):
 
 def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, dropout_p, scale, window, softcap, alibi_slopes, sinks, return_lse,
-             backend, template=None):  # fmt: skip
+             backend, template=None, autograd=None):  # fmt: skip
     """The kernel backends' forward (and backward through autograd); template: a plan's
-    TritonAttentionLaunch for this call's metadata (eager calls only)."""
+    TritonAttentionLaunch for this call's metadata (eager calls only), autograd: whether a
+    gradient is wanted, where the caller knows (a plan: grad mode and requires_grad are in
+    its key)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     seed = None
     if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
@@ -433,9 +435,11 @@ def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, m
             softcap, dropout_p, seed, backend)  # fmt: skip
     tensors = (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                cu_seqlens_k)  # fmt: skip
-    if tracing():  # torch.compile or jit.trace: record the custom op
+    if autograd is None and tracing():  # torch.compile or jit.trace: record the custom op
         out, lse = torch.ops.fusedattn.attention_fwd(*tensors, *rest)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    elif autograd if autograd is not None else (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    ):  # fmt: skip
         out, lse = EagerAttention.apply(*tensors, rest, template)
     else:  # inference: no autograd node to build
         out, lse, _launch = _attention_forward(*tensors, *rest, template=template)
