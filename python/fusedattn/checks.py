@@ -295,13 +295,18 @@ def _check_paged_prefill(q, k, v, cu_seqlens_q, block_table, dropout_p, window, 
             "(chunked prefill, a prefix-cache hit), so is_causal, window_size and alibi_slopes "
             "need causal_alignment='bottom_right'"
         )
-    tensors = dict(q=q, k=k, v=v, sinks=sinks, alibi_slopes=alibi_slopes)
+    check_inference_only("varlen_attention with a block_table",
+                         dict(q=q, k=k, v=v, sinks=sinks, alibi_slopes=alibi_slopes))  # fmt: skip
+
+
+def check_inference_only(op: str, tensors: dict) -> None:
+    """ValueError where autograd would record: grad mode on and an input that requires grad
+    (under no_grad / inference_mode, parameters that require grad are fine)."""
     grads = [n for n, t in tensors.items() if t is not None and t.requires_grad]
     if torch.is_grad_enabled() and grads:
         raise ValueError(
-            f"varlen_attention with a block_table is inference only and has no backward, but "
-            f"{', '.join(grads)} require grad with grad mode on: call it under torch.no_grad() "
-            "or torch.inference_mode()"
+            f"{op} is inference only and has no backward, but {', '.join(grads)} require grad "
+            "with grad mode on: call it under torch.no_grad() or torch.inference_mode()"
         )
 
 
@@ -470,15 +475,9 @@ def check_kvcache_args(
         window_size, softcap, alibi_slopes, sinks, "bottom_right",
         batch=B, heads=Hq, device=q.device,
     )  # fmt: skip
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, sinks=sinks,
-                   alibi_slopes=alibi_slopes)  # fmt: skip
-    grads = [n for n, t in tensors.items() if t is not None and t.requires_grad]
-    if torch.is_grad_enabled() and grads:
-        raise ValueError(
-            f"attention_with_kvcache is inference only and has no backward, but "
-            f"{', '.join(grads)} require grad with grad mode on: call it under torch.no_grad() "
-            "or torch.inference_mode()"
-        )
+    check_inference_only("attention_with_kvcache",
+                         dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, sinks=sinks,
+                              alibi_slopes=alibi_slopes))  # fmt: skip
     # bottom-right, and kept so even when Tq equals the key count (lengths differ per sequence)
     window = make_window(is_causal, window_size, "bottom_right", None, None, alibi=False)
     return window, cache_seqlens
