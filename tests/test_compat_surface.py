@@ -36,15 +36,24 @@ def run_user_code(source: str) -> dict:
     return namespace
 
 
-def attention64(q, k, v, causal=False, window=(-1, -1), scale=None):
-    """float64 attention, (B, T, H, D) layout, bottom-right as flash-attention, GQA."""
+def attention64(q, k, v, causal=False, window=(-1, -1), scale=None, dtype=torch.float64):
+    """float64 attention (or the same naive computation in `dtype`: the k× rule's baseline),
+    (B, T, H, D) layout, bottom-right as flash-attention, GQA."""
     rep = q.shape[2] // k.shape[2]
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     w = None if tuple(window) == (-1, -1) else tuple(window)
     out = reference.attention(q, k, v, is_causal=causal, window_size=w, scale=scale,
                               causal_alignment="bottom_right")  # fmt: skip
     return out.transpose(1, 2)
+
+
+def assert_kx(got, q, k, v, **kw):
+    """got against float64 attention under the k× rule (DESIGN.md), the baseline the same
+    naive computation in the inputs' dtype."""
+    want = attention64(q, k, v, **kw)
+    base = attention64(q, k, v, dtype=q.dtype, **kw)
+    assert_close_kx(got, want, base)
 
 
 def rotate64(x, positions, base=10000.0, interleaved=False, rotary_dim=None):
@@ -327,9 +336,8 @@ def test_a_paged_inference_engine_runs_unmodified(installed):
     out = engine.prefill(q, cu_q, cu_k, 4, int(lengths_k.max()), table)
     for b in range(2):
         n = cached[b] + 4
-        want = attention64(q_all[b : b + 1, cached[b] : n], full_k[b : b + 1, :n],
-                           full_v[b : b + 1, :n], causal=True)[0]  # fmt: skip
-        torch.testing.assert_close(out[4 * b : 4 * b + 4].double(), want, rtol=1e-5, atol=1e-5)
+        assert_kx(out[None, 4 * b : 4 * b + 4], q_all[b : b + 1, cached[b] : n],
+                  full_k[b : b + 1, :n], full_v[b : b + 1, :n], causal=True)  # fmt: skip
     # one decode step appending the next key
     lengths = lengths_k.to(torch.int32)
     step = engine.decode(
@@ -339,8 +347,7 @@ def test_a_paged_inference_engine_runs_unmodified(installed):
         n = int(lengths[b]) + 1
         keys = torch.cat([full_k[b, : n - 1], full_k[b, 10:11]])
         values = torch.cat([full_v[b, : n - 1], full_v[b, 10:11]])
-        want = attention64(q_all[b : b + 1, 9:10], keys[None], values[None], causal=True)[0]
-        torch.testing.assert_close(step[b].double(), want, rtol=1e-5, atol=1e-5)
+        assert_kx(step[b : b + 1], q_all[b : b + 1, 9:10], keys[None], values[None], causal=True)
 
 
 HYBRID_LAYER = """
@@ -385,8 +392,8 @@ def test_a_hybrid_models_rotary_decoding_runs_unmodified(installed):
             lengths += 1
         q, k, v = layer.qkv(x).view(B, T, 3, 2, 16).unbind(2)
     positions = torch.arange(T)[None, :, None].expand(B, T, 2)
-    want = attention64(rotate64(q, positions), rotate64(k, positions), v, causal=True)
-    torch.testing.assert_close(torch.cat(outs, 1).double(), want, rtol=1e-4, atol=1e-4)
+    q_rot, k_rot = rotate64(q, positions).float(), rotate64(k, positions).float()
+    assert_kx(torch.cat(outs, 1), q_rot, k_rot, v, causal=True)
 
 
 DIFFUSION_BLOCK = """
@@ -408,7 +415,7 @@ def test_a_diffusion_transformers_permuted_inputs_run_unmodified(installed):
     out = attend(x, 4)
     q, k, v = (t.permute(0, 2, 1, 3) for t in x.chunk(3, dim=-1))
     assert not q.is_contiguous()
-    torch.testing.assert_close(out.double(), attention64(q, k, v), rtol=1e-5, atol=1e-5)
+    assert_kx(out, q, k, v)
 
 
 # ---- transformers' own flash-attention path on these functions ---------------------------------
@@ -444,10 +451,8 @@ def test_transformers_flash_attention_forward_padded_and_padding_free(transforme
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1, 5:] = 0
     out = forward(q, k, v, mask, T, True, attn_implementation="flash_attention_2")
-    want0 = attention64(q[:1], k[:1], v[:1], causal=True)
-    want1 = attention64(q[1:, :5], k[1:, :5], v[1:, :5], causal=True)
-    torch.testing.assert_close(out[:1].double(), want0, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out[1:, :5].double(), want1, rtol=1e-5, atol=1e-5)
+    assert_kx(out[:1], q[:1], k[:1], v[:1], causal=True)
+    assert_kx(out[1:, :5], q[1:, :5], k[1:, :5], v[1:, :5], causal=True)
     # padding-free packed training: position_ids restart per sequence, max lengths as 0-dim
     # tensors (it refused those before)
     packed = [t.reshape(1, B * T, H, D) for t in (q, k, v)]
@@ -455,8 +460,7 @@ def test_transformers_flash_attention_forward_padded_and_padding_free(transforme
     out = forward(*packed, None, B * T, True, position_ids=position_ids,
                   attn_implementation="flash_attention_2")  # fmt: skip
     for a, b in ((0, 3), (3, 14)):
-        want = attention64(*(t[:, a:b] for t in packed), causal=True)
-        torch.testing.assert_close(out[:, a:b].double(), want, rtol=1e-5, atol=1e-5)
+        assert_kx(out[:, a:b], *(t[:, a:b] for t in packed), causal=True)
 
 
 def test_rotary_tables_as_transformers_llama_builds_them_match(installed):
