@@ -29,14 +29,14 @@ import bench_model  # noqa: E402
 import harness  # noqa: E402
 
 import fusedattn  # noqa: E402
-from fusedattn.ops import auto, backends  # noqa: E402
+from fusedattn.ops import auto, backends, plans  # noqa: E402
 from fusedattn.reference.transformer import Transformer  # noqa: E402
 
 
 @contextlib.contextmanager
 def record_choices():
     """Count (op, key, backend chosen) of every auto call inside the block (every op
-    dispatches through backends.select); select restored after it."""
+    dispatches through backends.select once plans are bypassed); select restored after it."""
     seen = collections.Counter()
     select = backends.select
 
@@ -48,7 +48,8 @@ def record_choices():
 
     backends.select = recording
     try:
-        yield seen
+        with plans.bypassed():
+            yield seen
     finally:
         backends.select = select
 

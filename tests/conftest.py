@@ -16,8 +16,11 @@ if not HAS_CUDA:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one pytest-xdist worker per core: a worker's torch ops on more threads
     # than that only contend with the other workers (on 2 cores, 2 threads each grew the
-    # suite's CPU time by half, 754 -> 1124 s)
+    # suite's CPU time by half, 754 -> 1124 s). The processes tests start (examples, gloo
+    # ranks, docs snippets) inherit one thread too: an OpenMP team of 2 next to a busy worker
+    # spin-waits, which made the examples 3.6x slower (21 -> 76 s).
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 # Kernel outputs start as NaN, so an element a kernel forgets to write fails the comparison.
 os.environ.setdefault("FUSEDATTN_POISON_OUTPUTS", "1")
 

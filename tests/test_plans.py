@@ -123,3 +123,40 @@ def test_a_wrapped_implementation_is_what_runs():
             fusedattn.layer_norm(x, 32)
     assert counts[("attention", "torch")] == 3 and counts[("layer_norm", "torch")] == 3
     fusedattn.attention(q, q, q)  # the registry restored: the wrapper's plan is not used
+
+
+def test_bypassed_plans_send_every_call_through_select(monkeypatch):
+    """Inside plans.bypassed() every call of every planned op reaches backends.select (what
+    scripts/profile_model.py counts), and no plan is made; after it plans serve again."""
+    from fusedattn.ops import backends
+
+    q = torch.randn(1, 2, 8, 16)
+    x = torch.randn(4, 32)
+    k_cache = torch.zeros(1, 16, 2, 16)
+    lens = torch.tensor([4], dtype=torch.int32)
+    calls = {
+        "attention": lambda: fusedattn.attention(q, q, q),
+        "layer_norm": lambda: fusedattn.layer_norm(x, 32),
+        "rms_norm": lambda: fusedattn.rms_norm(x, 32),
+        "softmax": lambda: fusedattn.softmax(x, -1),
+        "attention_with_kvcache": lambda: fusedattn.attention_with_kvcache(
+            q[:, :, :1].transpose(1, 2), k_cache, k_cache, cache_seqlens=lens
+        ),
+    }
+    selected = []
+    select = backends.select
+
+    def recording(op, backend, device, inputs):
+        selected.append(op)
+        return select(op, backend, device, inputs)
+
+    for call in calls.values():  # plans made for every op
+        call(), call()
+    monkeypatch.setattr(backends, "select", recording)
+    for call in calls.values():
+        call()
+    assert selected == [], "planned calls skip select"
+    with plans.bypassed():
+        for call in calls.values():
+            call(), call()
+    assert sorted(selected) == sorted(2 * list(calls)), selected

@@ -92,7 +92,6 @@ def test_beam_of_one_is_greedy_and_decoding_stops_at_eos():
 @pytest.mark.slow
 def test_seq2seq_learns_to_reverse_digits_on_cpu():
     torch.manual_seed(0)
-    torch.set_num_threads(2)
     model = Transformer(
         TransformerConfig(
             vocab_size=tasks.VOCAB, d_model=64, n_heads=4, n_encoder_layers=2,

@@ -12,6 +12,7 @@ plan. Tracing (torch.compile, jit.trace) never uses plans. Per op: decode_plan.p
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -19,6 +20,21 @@ import torch
 from . import backends
 
 MAX_PLANS = 512  # distinct call metadata kept per op before its cache starts over
+_BYPASSED = 0  # > 0 inside bypassed(): every call takes its op's full path
+
+
+@contextlib.contextmanager
+def bypassed():
+    """Every call inside the block takes its op's full path (validation, backends.select,
+    auto's choice) and no plan is used or made: for instrumentation that wraps
+    backends.select to see every call (scripts/profile_model.py), where a plan would
+    otherwise serve all but the first call of each key."""
+    global _BYPASSED
+    _BYPASSED += 1
+    try:
+        yield
+    finally:
+        _BYPASSED -= 1
 
 
 def meta(t: torch.Tensor | None):
@@ -47,13 +63,13 @@ class Cache:
         self.plans: dict = {}
 
     def get(self, key):
-        plan = None if key is None else self.plans.get(key)
+        plan = None if key is None or _BYPASSED else self.plans.get(key)
         if plan is not None and backends._REGISTRY[self.op].get(plan.impl.backend) is not plan.impl:
             return None
         return plan
 
     def remember(self, key, plan) -> None:
-        if key is None:
+        if key is None or _BYPASSED:
             return
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
