@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 must be set before any kernel module is imported (triton.jit 
 a kernel is defined), so it is set here, at conftest import, when there is no GPU.
 """
 
+import json
 import os
 
 import pytest
@@ -32,6 +33,37 @@ def pytest_addoption(parser):
         help="I/N: run only every N-th collected test starting at I (parallel GPU runs: "
         "scripts/gpu_check.sh starts N pytest processes that compile Triton kernels at once)",
     )
+    parser.addoption(
+        "--record-dispatch",
+        default=None,
+        metavar="DIR",
+        help="write every (op, backend, dtype, options) combination the run dispatches to "
+        "DIR/<worker>.json (scripts/dispatch_coverage.py compares two runs)",
+    )
+
+
+_RECORDED: set = set()  # (op, backend, dtype, options) under --record-dispatch
+_RECORDING = None
+
+
+def pytest_configure(config):
+    global _RECORDING
+    if config.getoption("--record-dispatch"):
+        from dispatch_probe import record_combinations
+
+        _RECORDING = record_combinations(_RECORDED)
+        _RECORDING.__enter__()
+
+
+def pytest_unconfigure(config):
+    if _RECORDING is None:
+        return
+    _RECORDING.__exit__(None, None, None)
+    out = config.getoption("--record-dispatch")
+    os.makedirs(out, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(out, f"{worker}.json"), "w") as f:
+        json.dump(sorted(_RECORDED), f)
 
 
 def pytest_collection_modifyitems(config, items):
