@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # than that only contend with the other workers (on 2 cores, 2 threads each grew the
     # suite's CPU time by half, 754 -> 1124 s). The processes tests start (examples, gloo
     # ranks, docs snippets) inherit one thread too: an OpenMP team of 2 next to a busy worker
-    # spin-waits: the examples took 68-76 s of a two-worker run with it, 22 s without.
+    # spin-waits: the examples took 68-76 s of a two-worker run on two threads, 22 s on one.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
 # Kernel outputs start as NaN, so an element a kernel forgets to write fails the comparison.
