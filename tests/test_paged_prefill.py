@@ -145,14 +145,22 @@ def test_refusals_and_bad_values_are_clear_errors():
                                    enable_gqa=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.kernels)])
-def test_a_paged_prefill_compiles_whole(backend):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["causal", "alibi_per_sequence"])
+def test_a_paged_prefill_compiles_whole(backend, variant):
+    """One op in the graph, eager's answer bit for bit. ALiBi without a window is bottom-right
+    too (masks.make_window): the op carries the alignment, a compiled call once read it as
+    top-left from the unbounded window (torch backend 1.08 off, reference refused)."""
     q, kc, vc, bt, cu_q, cu_k, _, _ = paged_case(torch.float32, 8)
+    kw = dict(is_causal=True)
+    if variant == "alibi_per_sequence":
+        g = torch.Generator().manual_seed(3)
+        kw = dict(alibi_slopes=(torch.rand(len(Q_LENGTHS), 4, generator=g) * 0.5).to(q.device))
 
     def prefill(q, kc, vc):
         return fusedattn.varlen_attention(q, kc, vc, cu_q, cu_k, 7, 33, block_table=bt,
-                                          is_causal=True, causal_alignment="bottom_right",
-                                          enable_gqa=True, backend=backend)  # fmt: skip
+                                          causal_alignment="bottom_right", enable_gqa=True,
+                                          backend=backend, **kw)  # fmt: skip
 
     with torch.no_grad():
         want = prefill(q, kc, vc)

@@ -61,6 +61,7 @@ def attention_impl(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, k
     an append before this call has checked them already)."""
     if check_values:
         check_kvcache_values(seqlens_k, cache_leftpad, block_table, k_cache, 0)
+    # check_kvcache_args' window exactly (make_window, alibi=False: bottom-right iff bounded)
     window = Window(window_left, window_right, window_left >= 0 or window_right >= 0)
     result = backends._REGISTRY["attention_with_kvcache"][backend].run(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k, block_table=block_table,
@@ -146,14 +147,16 @@ def paged_varlen_attention(
     scale: Optional[float],
     window_left: int,
     window_right: int,
+    bottom_right: bool,
     softcap: float,
     return_lse: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """varlen_attention over a paged cache (inference only): (out (total_q, Hq, Dv), lse
     (Hq, total_q) fp32 or empty) of the named backend; the reference and torch backends check
-    the values inside, as in eager calls."""
-    window = Window(window_left, window_right, window_left >= 0 or window_right >= 0)
+    the values inside, as in eager calls. bottom_right is the window's own (masks.make_window
+    also keeps it for ALiBi without a window, so it is not derived from the bounds here)."""
+    window = Window(window_left, window_right, bottom_right)
     result = backends._REGISTRY["varlen_attention"][backend].run(
         q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, scale=scale,
@@ -166,8 +169,8 @@ def paged_varlen_attention(
 
 @paged_varlen_attention.register_fake
 def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sinks,
-      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, softcap, return_lse,
-      backend):  # fmt: skip
+      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, bottom_right, softcap,
+      return_lse, backend):  # fmt: skip
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
     return out, lse
@@ -179,7 +182,7 @@ def record_paged_varlen(inputs: dict, backend: str):
     out, lse = torch.ops.fusedattn.paged_varlen_attention(
         inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
         inputs["block_table"], inputs["alibi_slopes"], inputs["sinks"], inputs["max_seqlen_q"],
-        inputs["max_seqlen_k"], inputs["scale"], window.left, window.right, inputs["softcap"],
-        inputs["return_lse"], backend,
+        inputs["max_seqlen_k"], inputs["scale"], window.left, window.right, window.bottom_right,
+        inputs["softcap"], inputs["return_lse"], backend,
     )  # fmt: skip
     return (out, lse) if inputs["return_lse"] else out

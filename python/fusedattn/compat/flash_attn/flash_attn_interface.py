@@ -6,8 +6,10 @@ fewer K/V heads, `return_attn_probs=True` returns (out, softmax_lse, S_dmask) wi
 empty tensor as flash-attention returns it without dropout (the dropout pattern itself, asked
 with dropout_p > 0, is refused: fusedattn's kernels never materialise it), a row that sees no
 key has lse +inf (flash-attention's value; fusedattn's own API says -inf), `max_seqlen_*` may
-be an int or a 0-dim tensor, `deterministic` is accepted (every fusedattn backward is), and
-`flash_attn_with_kvcache` runs without autograd under grad mode, as flash-attention's does.
+be an int or a 0-dim tensor (read to the host; under torch.compile(fullgraph=True) pass an
+int: every function here then traces whole), `deterministic` is accepted (every fusedattn
+backward is), and `flash_attn_with_kvcache` runs without autograd under grad mode, as
+flash-attention's does.
 Implemented beyond fusedattn's own API: the packed (`*_qkvpacked_func`, `*_kvpacked_func`)
 forms, a paged cache in `flash_attn_varlen_func` (block_table), and in
 `flash_attn_with_kvcache` rotary embedding of q and the new k (rotary_cos / rotary_sin,
