@@ -18,7 +18,7 @@ Environment:
 
 The CUDA sources also ship inside the package (fusedattn/_csrc): where the extension was not
 built here (plain `pip install .` builds in an isolated environment without torch),
-backend="cuda" compiles it on first use into a per-user cache (fusedattn.ops.extension).
+backend="cuda" compiles it on first use into a per-user cache (fusedattn.ops.core.extension).
 """
 
 import importlib.util

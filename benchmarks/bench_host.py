@@ -50,6 +50,17 @@ STUB_SMS = 132  # H100 SXM and H200: what num_splits=0 splits for under the sm_9
 _stubbed = False
 
 
+def first_module(*names):
+    """The first of these modules that this checkout has (None if none): bench_host.py times
+    older checkouts too, whose internal modules had other names."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
 def stub_driver_launch(tool_path: str) -> None:
     """Compile for sm_90 on this machine and make the final launch a no-op (once per process:
     --check-launches and the timing both need it)."""
@@ -65,20 +76,20 @@ def stub_driver_launch(tool_path: str) -> None:
 
     # decoding as on a GPU: the split for a GPU's SMs (the interpreter's 4 would not split a
     # batch-1 step), the append through its kernel (CPU tensors take torch's writes), and no
-    # host check of the lengths' values (the CPU always checks them; a GPU only on request);
-    # checkouts older than decoding (run via PYTHONPATH) have none of these, older than
-    # 2026-11-28 not the last two names
-    if importlib.util.find_spec("fusedattn.ops.decode") is not None:
-        from fusedattn.ops import decode
-
-        decode.INTERPRETER_SMS = STUB_SMS
-        if hasattr(decode, "append_uses_kernel"):
-            decode.append_uses_kernel = lambda k_cache: True
+    # host check of the lengths' values (the CPU always checks them; a GPU only on request).
+    # Checkouts older than the ops layout by family (2026-11-28, run via PYTHONPATH) keep all
+    # three in fusedattn.ops.decode; older than decoding, none.
+    launch = first_module("fusedattn.ops.shared.decode_launch", "fusedattn.ops.decode")
+    api = first_module("fusedattn.ops.decode.api", "fusedattn.ops.decode")
+    if launch is not None and hasattr(launch, "INTERPRETER_SMS"):
+        launch.INTERPRETER_SMS = STUB_SMS
+        if hasattr(launch, "append_uses_kernel"):
+            launch.append_uses_kernel = lambda k_cache: True
         else:
-            decode.append = functools.partial(decode.append, kernel=True)
-        if hasattr(decode, "values_checked"):
-            gpu_rule = decode.values_checked
-            decode.values_checked = lambda on_gpu, backend, *env: gpu_rule(True, backend, *env)
+            launch.append = functools.partial(launch.append, kernel=True)
+        if hasattr(api, "values_checked"):
+            gpu_rule = api.values_checked
+            api.values_checked = lambda on_gpu, backend, *env: gpu_rule(True, backend, *env)
 
     def no_handles(self):
         self.module, self._run = "stub", lambda *args, **kwargs: None
@@ -94,6 +105,14 @@ def _same_launch_arg(a, b) -> bool:
             type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride()
         )  # fmt: skip
+    if (a is None) != (b is None):
+        # the direct launcher (triton_launch._direct_launcher) passes None for the launch
+        # metadata and the enter/exit hooks when no hook is set; Triton's own path passes the
+        # metadata the hooks would get and the empty hook chains (Triton 3.6 and later): the
+        # C launcher then calls nothing either way
+        other = b if a is None else a
+        if type(other).__name__ in ("LazyDict", "HookChain"):
+            return not getattr(other, "calls", None)
     if type(a) is not type(b):
         return False
     if type(a).__name__ == "LazyDict":  # triton's launch metadata: a new one per launch
@@ -139,10 +158,9 @@ def _launch_cases(fusedattn, dtype) -> dict:
 
 def forget_plans() -> None:
     """Drop attention_with_kvcache's plans (their launchers are bound at their first call)."""
-    if importlib.util.find_spec("fusedattn.ops.decode_plan") is not None:
-        from fusedattn.ops import decode_plan
-
-        decode_plan.PLANS.clear()
+    plans = first_module("fusedattn.ops.decode.plans", "fusedattn.ops.decode_plan")
+    if plans is not None:
+        plans.PLANS.clear()
 
 
 def check_launches(fusedattn) -> list[str]:
@@ -150,8 +168,7 @@ def check_launches(fusedattn) -> list[str]:
     through the launch cache and through Triton's own path, per case ([] = none)."""
     from triton.compiler import compiler
 
-    from fusedattn.ops import triton_launch
-
+    triton_launch = first_module("fusedattn.ops.core.triton_launch", "fusedattn.ops.triton_launch")
     received = []
 
     def recording_handles(self):
@@ -215,14 +232,13 @@ def run(args) -> list[dict]:
         if args.sm90_tool:
             stub_driver_launch(args.sm90_tool)
             note = "compiled for sm_90, driver launch stubbed"
-        import fusedattn.ops.backends as backends
-
+        backends = first_module("fusedattn.ops.core.backends", "fusedattn.ops.backends")
         backends.triton_interpreter_enabled = lambda: True  # accept CPU tensors: nothing runs
         if not args.sm90_tool:
             os.environ.setdefault("TRITON_INTERPRET", "1")
             note = "kernel launches skipped (Triton's launcher not timed)"
-            from fusedattn.ops import attention_launch
-
+            attention_launch = first_module("fusedattn.ops.attention.triton_args",
+                                            "fusedattn.ops.attention_launch")  # fmt: skip
             attention_launch.TritonAttentionLaunch.launch = staticmethod(lambda *a: None)
     import fusedattn
 
@@ -306,6 +322,23 @@ def cases(fusedattn, device, dtype, every_op: bool):
             (),
             dict(B=Bd, H=Hq, Tq=1, Tk=L, D=Dd, mask=layout),
         )
+    # the Hugging Face integration's decode step over its (B, Hkv, S, D) cache, without a mask
+    # and with a padding mask (left padding and the unfilled slots of a static cache)
+    hf = first_module("fusedattn.integrations.huggingface")
+    module = torch.nn.Module()
+    module.is_causal = True
+    S = k_cache.shape[1]
+    padding = torch.ones(Bd, 1, 1, S, device=device, dtype=torch.bool)
+    padding[..., :16] = False
+    padding[..., L + 1 :] = False
+    q_hf, k_hf, v_hf = q_step.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    for mask, layout in ((None, "hf"), (padding, "hf+padding")):
+        yield (
+            "decode",
+            lambda m=mask: hf.attention_forward(module, q_hf, k_hf, v_hf, m, backend="triton")[0],
+            (),
+            dict(B=Bd, H=Hq, Tq=1, Tk=L, D=Dd, mask=layout),
+        )
 
 
 def main(argv=None) -> int:
@@ -323,8 +356,7 @@ def main(argv=None) -> int:
         if not args.sm90_tool or torch.cuda.is_available():
             parser.error("--check-launches needs --sm90-tool, on a machine without a GPU")
         stub_driver_launch(args.sm90_tool)
-        import fusedattn.ops.backends as backends
-
+        backends = first_module("fusedattn.ops.core.backends", "fusedattn.ops.backends")
         backends.triton_interpreter_enabled = lambda: True
         import fusedattn
 

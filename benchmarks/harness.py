@@ -441,7 +441,7 @@ def new_run() -> None:
 def kernel_backends(op: str, device: torch.device) -> list[str]:
     """fusedattn's own kernel backends that can run `op` here; the rest are announced with
     their reasons. (reference and torch are measured as the naive and torch baselines.)"""
-    from fusedattn.ops import backends
+    from fusedattn.ops.core import backends
 
     report = backends.backend_report(device)[op]
     if device.type == "cpu" and not report["triton"]:

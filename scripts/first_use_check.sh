@@ -28,7 +28,7 @@ $PYTHON -m fusedattn.info | grep "fusedattn._C"
 check='
 import sys, time, torch, torch.nn.functional as F
 import fusedattn
-from fusedattn.ops import backends
+from fusedattn.ops.core import backends
 assert fusedattn.__file__.startswith(sys.argv[1]), fusedattn.__file__
 q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 start = time.perf_counter()

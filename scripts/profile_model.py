@@ -29,7 +29,7 @@ import bench_model  # noqa: E402
 import harness  # noqa: E402
 
 import fusedattn  # noqa: E402
-from fusedattn.ops import auto, backends, plans  # noqa: E402
+from fusedattn.ops.core import auto, backends, plans  # noqa: E402
 from fusedattn.reference.transformer import Transformer  # noqa: E402
 
 

@@ -89,7 +89,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
     tool = _load_tool(tool_path)
     import torch
 
-    from fusedattn.ops.attention_launch import TritonAttentionLaunch
+    from fusedattn.ops.attention.triton_args import TritonAttentionLaunch
     from fusedattn.triton_kernels import attention as A
 
     v = VARIANTS[variant]

@@ -32,7 +32,8 @@ CASES = {
     "paged16_tq1": dict(paged=16, Tq=1, split=True),
     "paged256_tq1": dict(paged=256, Tq=1, split=True),
     "paged16_tq4_causal_window": dict(paged=16, Tq=4, split=True, window=(4095, 0)),
-    # Hugging Face's decode step: its (B, Hkv, S, D) cache read in place, the mask's last row
+    # Hugging Face's decode step: its (B, Hkv, S, D) cache read in place, the mask's last row,
+    # each program finding the row's visible bounds itself (MASK_BOUNDS)
     "hf_layout_key_mask_tq1": dict(paged=0, Tq=1, split=True, hf=True),
     # paged prefill (varlen_attention with a block table): 64 packed new queries a sequence
     "paged16_varlen_tq64_causal": dict(paged=16, Tq=64, split=False, varlen=True, window=(-1, 0)),
@@ -68,7 +69,7 @@ def load_widths(ptx: str) -> dict:
 
 def launch_args(name: str):
     """(args, constexprs with the launch options, config) of case `name`, laid out as
-    ops/decode.py launches attention_decode (a CPU test binds them to the kernel's signature,
+    ops/shared/decode_launch.py launches attention_decode (a CPU test binds them to the kernel's signature,
     so a new kernel parameter cannot silently break this screen again)."""
     import torch
 
@@ -116,7 +117,7 @@ def launch_args(name: str):
         SPLIT=c["split"], HAS_KEY_MASK=bool(c.get("hf")), PRECISION="tf32",
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, MASK_BOUNDS=bool(c.get("hf")), MASK_SCAN=1024,
     )  # fmt: skip
     return args, constexprs, cfg
 

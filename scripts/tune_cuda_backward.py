@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fusedattn
 from fusedattn import masks
-from fusedattn.ops import flash_attention
-from fusedattn.ops.rowwise import extension
+from fusedattn.ops.attention import cuda_args as flash_attention
+from fusedattn.ops.core.kernels import extension
 
 ENV = flash_attention.CUDA_BACKWARD_ENV
 

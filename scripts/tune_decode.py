@@ -32,8 +32,8 @@ import bench_decode  # noqa: E402
 import harness  # noqa: E402
 
 import fusedattn  # noqa: E402
-from fusedattn.ops import decode  # noqa: E402
-from fusedattn.ops.rowwise import kernels  # noqa: E402
+from fusedattn.ops.core.kernels import kernels  # noqa: E402
+from fusedattn.ops.shared import decode_launch as decode  # noqa: E402
 
 GPU_CASES = ((1, 32768, "contiguous"), (1, 32768, "paged16"), (8, 8192, "contiguous"),
              (8, 32768, "contiguous"), (8, 32768, "paged16"), (64, 32768, "paged16"))  # fmt: skip

@@ -79,7 +79,8 @@ def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, win
     """Inputs, the forward/backward buffers a shipped-tiles run fills, and launch builders."""
     import torch
 
-    from fusedattn.ops.attention_launch import TritonAttentionLaunch, device_arch
+    from fusedattn.ops.attention.triton_args import TritonAttentionLaunch
+    from fusedattn.ops.core.kernels import device_arch
     from fusedattn.triton_kernels.attention import attention_config
 
     b, h, t = shape

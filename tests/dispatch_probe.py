@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from fusedattn.ops import backends
+from fusedattn.ops.core import backends
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ def test_every_mask_at_once_with_gqa_scale_and_a_sliced_layout():
 
 def forward_constexprs(q, k, v, attn_mask, scale, softcap=0.0):
     """The forward kernel's constexpr keywords for a call with these arguments."""
-    from fusedattn.ops.attention_launch import TritonAttentionLaunch
+    from fusedattn.ops.attention.triton_args import TritonAttentionLaunch
 
     L = TritonAttentionLaunch(
         q, k, v, attn_mask, None, None, None, None, None, 0, 0, window_left=-1, window_right=0,

@@ -16,7 +16,7 @@ from test_attention_tma import tma_forward  # noqa: F401 (the fixture, used by n
 from test_attention_variants import SHAPES, VARIANTS, check, variant_inputs
 
 import fusedattn
-from fusedattn.ops.attention_launch import TritonAttentionLaunch
+from fusedattn.ops.attention.triton_args import TritonAttentionLaunch
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernel_device")]
 K = pytest.importorskip("fusedattn.triton_kernels.attention")

@@ -15,7 +15,7 @@ from test_attention_variants import VARIANTS, variant_inputs
 
 import fusedattn
 from fusedattn import reference
-from fusedattn.ops.attention_launch import TritonAttentionLaunch, tma_compatible
+from fusedattn.ops.attention.triton_args import TritonAttentionLaunch, tma_compatible
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernel_device")]
 K = pytest.importorskip("fusedattn.triton_kernels.attention")

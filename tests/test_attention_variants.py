@@ -356,19 +356,19 @@ def test_torch_backend_refuses_what_sdpa_cannot_express_exactly():
 
 def test_cuda_backend_refuses_the_variants_it_does_not_have():
     from fusedattn.masks import Window
-    from fusedattn.ops import flash_attention
+    from fusedattn.ops.attention import cuda_backend
 
     q = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
-    reasons = flash_attention.cuda_refusals(
+    reasons = cuda_backend.refusals(
         q=q, k=q, v=q, window=Window(8, 0), softcap=1.0, alibi_slopes=torch.rand(2),
         sinks=torch.randn(2),
     )  # fmt: skip
     text = " ".join(reasons)
     assert "window (left=8, right=0)" in text
     assert all(name in text for name in ("softcap", "alibi_slopes", "sinks"))
-    assert not any("window" in r for r in flash_attention.cuda_refusals(q=q, k=q, v=q,
+    assert not any("window" in r for r in cuda_backend.refusals(q=q, k=q, v=q,
                                                                            window=Window(-1, 0)))  # fmt: skip
-    assert "packed variable-length" in flash_attention.cuda_varlen_refusals()[0]
+    assert "packed variable-length" in cuda_backend.varlen_refusals()[0]
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -463,7 +463,7 @@ def test_key_padding_tiles_are_skipped_by_the_valid_key_range(monkeypatch):
     keys (the launcher's valid_key_range). Told a narrower range than the padding mask
     implies, they compute attention over that range alone: proof that the tiles outside it
     are skipped rather than masked (masking could not tell the two apart)."""
-    from fusedattn.ops import attention_launch
+    from fusedattn.ops.attention import triton_args as attention_launch
 
     _, bn = block_sizes()
     T = 4 * bn
@@ -573,7 +573,7 @@ def test_nan_in_padded_keys_reaches_no_output_or_gradient(backend, device):
 
 @pytest.mark.parametrize("side", ["right", "left", "middle", "all"])
 def test_valid_key_range_of_each_padding_pattern(side):
-    from fusedattn.ops.attention_launch import valid_key_range
+    from fusedattn.ops.attention.triton_args import valid_key_range
 
     kpm = torch.zeros(1, 10, dtype=torch.bool, device="cpu")
     if side == "right":
@@ -595,7 +595,7 @@ def test_valid_key_range_kernel_matches_the_torch_expression(T):
     """The GPU's one-launch key range (key_padding_range) against the CPU's torch ops, on rows
     right-, left- and both-padded, with holes, all padding and none, T across the kernel's
     1024-key blocks; run on the default device (compiled on a GPU, interpreted on a CPU)."""
-    from fusedattn.ops.attention_launch import valid_key_range
+    from fusedattn.ops.attention.triton_args import valid_key_range
 
     g = torch.Generator().manual_seed(T)
     rows = [torch.zeros(T, dtype=torch.bool), torch.ones(T, dtype=torch.bool)]

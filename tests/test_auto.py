@@ -12,7 +12,7 @@ import torch
 from kx_check import attention_inputs
 
 from fusedattn.masks import Window
-from fusedattn.ops import auto, backends
+from fusedattn.ops.core import auto, backends
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.device("cuda")

@@ -194,7 +194,8 @@ def test_host_benchmark_runs_and_fills_host_us(tmp_path, monkeypatch):
 
     import bench_host
 
-    from fusedattn.ops import attention_launch, backends
+    from fusedattn.ops.attention import triton_args as attention_launch
+    from fusedattn.ops.core import backends
 
     # bench_host stubs these for its own process: restore them after the test
     Launch = attention_launch.TritonAttentionLaunch
@@ -472,7 +473,8 @@ def test_host_benchmark_times_decoding_as_inference_only(monkeypatch):
 
     import bench_host
 
-    from fusedattn.ops import attention_launch, backends
+    from fusedattn.ops.attention import triton_args as attention_launch
+    from fusedattn.ops.core import backends
 
     Launch = attention_launch.TritonAttentionLaunch
     monkeypatch.setattr(Launch, "launch", Launch.__dict__["launch"])
@@ -490,6 +492,8 @@ def test_host_benchmark_times_decoding_as_inference_only(monkeypatch):
     assert [(r["op"], r["mode"], r["mask"], r["Tk"]) for r in rows] == [
         ("decode", "fwd", "contiguous", 40),
         ("decode", "fwd", "contiguous+append", 40),
+        ("decode", "fwd", "hf", 40),  # the Hugging Face decode step, without a mask
+        ("decode", "fwd", "hf+padding", 40),  # and with a padding mask
     ]
     assert all(r["host_us"] == 50.0 and "NOISY" not in r["note"] for r in rows)
 

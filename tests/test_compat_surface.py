@@ -172,6 +172,54 @@ def test_with_kvcache_runs_without_autograd_under_grad_mode():
     assert not out.requires_grad and out.shape == (1, 1, 2, 8)
 
 
+def paged(lengths=(5, 7), page=4, pages=4, requires_grad=False):
+    """Packed queries (one per key of each sequence) over a paged cache holding them."""
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(8, page, 2, 8, generator=g, requires_grad=requires_grad)
+    v_cache = torch.randn(8, page, 2, 8, generator=g, requires_grad=requires_grad)
+    q = torch.randn(sum(lengths), 2, 8, generator=g, requires_grad=requires_grad)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    table = torch.arange(2 * pages, dtype=torch.int32).view(2, pages)
+    return q, k_cache, v_cache, cu, table
+
+
+def test_paged_varlen_runs_its_forward_under_grad_mode_and_refuses_the_backward():
+    """flash-attention's own tests call flash_attn_varlen_func(..., block_table=...) with
+    inputs that require grad under grad mode: the forward runs (it was refused as inference
+    only); a backward through it raises, naming why, as a RuntimeError and a ValueError."""
+    q, kc, vc, cu, table = paged(requires_grad=True)
+    out = compat.flash_attn_varlen_func(q, kc, vc, cu, cu, 7, 7, causal=True, block_table=table)
+    with torch.no_grad():
+        want = compat.flash_attn_varlen_func(q, kc, vc, cu, cu, 7, 7, causal=True,
+                                             block_table=table)  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="block_table has no backward") as raised:
+        out.sum().backward()
+    assert isinstance(raised.value, ValueError)
+    out, lse, _ = compat.flash_attn_varlen_func(q, kc, vc, cu, cu, 7, 7, block_table=table,
+                                                return_attn_probs=True)  # fmt: skip
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_compat_errors_are_runtime_errors_as_flash_attentions_and_name_the_block_table():
+    """flash-attention raises RuntimeError for bad input; code catching it must catch
+    compat's too (they stay ValueError/TypeError as well). A sequence longer than its block
+    table can hold names the block table."""
+    q, kc, vc, cu, table = paged()
+    long = torch.tensor([0, 5, 5 + 17], dtype=torch.int32)  # 17 keys, the table holds 16
+    with pytest.raises(RuntimeError, match="block_table holds 4 pages of 4") as raised:
+        compat.flash_attn_varlen_func(q, kc, vc, cu, long, 7, 17, block_table=table)
+    assert isinstance(raised.value, ValueError)
+    with pytest.raises(RuntimeError, match="block_table holds 4 pages of 4"):
+        compat.flash_attn_with_kvcache(q[:2, None], kc, vc, cache_seqlens=17, block_table=table)
+    with pytest.raises(RuntimeError, match="softmax_scale") as raised:
+        compat.flash_attn_func(q[None], q[None], q[None], softmax_scale="x")
+    assert isinstance(raised.value, TypeError)
+    with pytest.raises(RuntimeError, match="must be float16, bfloat16, float32 or float64"):
+        compat.flash_attn_qkvpacked_func(torch.zeros(1, 3, 3, 2, 8, dtype=torch.int32))
+
+
 # ---- rotary embedding ------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ from kx_check import assert_offsets_past_2_to_the_31, assert_op_kx
 
 import fusedattn
 from fusedattn import masks, reference
-from fusedattn.ops import backends, flash_attention
+from fusedattn.ops.attention import cuda_backend, triton_backend
+from fusedattn.ops.core import backends
 from fusedattn.testing import assert_close_kx
 
 cuda_attention = partial(fusedattn.attention, backend="cuda")
@@ -38,16 +39,14 @@ def check(s: AttentionShape, dtype=torch.bfloat16, layout="transposed", grad_of=
 
 def test_refusals_name_their_reasons():
     q = torch.randn(1, 2, 4, 20)
-    reasons = flash_attention.cuda_refusals(q=q, k=q, v=q)
+    reasons = cuda_backend.refusals(q=q, k=q, v=q)
     assert any("float16 and bfloat16, got torch.float32" in r for r in reasons)
     assert any("multiples of 8" in r and "D=20" in r for r in reasons)
     big = torch.randn(1, 1, 4, 264, dtype=torch.bfloat16)
-    assert any(
-        "head dims up to 256" in r for r in flash_attention.cuda_refusals(q=big, k=big, v=big)
-    )
+    assert any("head dims up to 256" in r for r in cuda_backend.refusals(q=big, k=big, v=big))
     ok = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16)
     assert not any("head dim" in r or "float16" in r
-                   for r in flash_attention.cuda_refusals(q=ok, k=ok, v=ok))  # fmt: skip
+                   for r in cuda_backend.refusals(q=ok, k=ok, v=ok))  # fmt: skip
 
 
 def test_cpu_tensors_are_refused_with_every_reason():
@@ -251,7 +250,7 @@ def test_dropout_keeps_one_minus_p_matches_triton_and_backward_uses_the_same_mas
                                 .expand(2, 2, 40, 40), **kw)  # fmt: skip
     share = kept[probs > 0].float().mean().item()
     assert abs(share - 0.7) < 0.03, share
-    if flash_attention.triton_refusals(q=q, k=k, v=q) == [] and backends.TRITON_INSTALLED:
+    if triton_backend.refusals(q=q, k=k, v=q) == [] and backends.TRITON_INSTALLED:
         triton_kept = dropped_probabilities(q, k, 5, 0.3, "triton", **kw).detach() != 0
         assert torch.equal(kept, triton_kept), "the Philox streams of cuda and triton differ"
     torch.manual_seed(5)

@@ -12,8 +12,8 @@ from kx_check import assert_op_kx
 
 import fusedattn
 from fusedattn import masks, reference
-from fusedattn.ops import flash_attention
-from fusedattn.ops.rowwise import extension
+from fusedattn.ops.attention import cuda_args as flash_attention
+from fusedattn.ops.core.kernels import extension
 
 gpu = pytest.mark.gpu
 ALL = ("q", "k", "v")

@@ -10,7 +10,7 @@ import torch
 
 import fusedattn
 from fusedattn import reference
-from fusedattn.ops import decode as decode_ops
+from fusedattn.cache_layout import dense_cache
 from fusedattn.testing import assert_close_kx
 
 K = pytest.importorskip("fusedattn.triton_kernels.decode")
@@ -252,7 +252,7 @@ def test_append_kernel_writes_the_bits_torch_indexing_writes(layout, page_size, 
     """The one-launch Triton append (what a GPU runs) against torch's indexed writes, bit for
     bit, every other slot untouched, strided new rows; positions past the capacity are not
     written (torch's indexing would raise)."""
-    from fusedattn.ops.decode import append
+    from fusedattn.ops.shared.decode_launch import append
 
     B, S, Hkv, D, Dv = 3, 40, 2, 24, 16
     kc, vc, bt = make_cache(B, S, Hkv, D, Dv, torch.bfloat16, layout, page_size, fill=5.0)
@@ -358,7 +358,7 @@ def test_bad_input_gets_a_clear_error_before_anything_runs(bad, error, match):
 
 
 def test_auto_runs_on_cpu_and_the_decode_order_puts_triton_first_on_gpus():
-    from fusedattn.ops import backends
+    from fusedattn.ops.core import backends
 
     q = torch.randn(1, 1, 2, 8)
     kc = torch.randn(1, 4, 2, 8)
@@ -368,7 +368,7 @@ def test_auto_runs_on_cpu_and_the_decode_order_puts_triton_first_on_gpus():
         reference.attention_with_kvcache(q.double(), kc.double(), kc.double(), cache_seqlens=4),
     )
     assert backends.AUTO_ORDER["cuda"]["attention_with_kvcache"][0] == "triton"
-    assert decode_ops.dense_cache(kc, None, 1).shape == (1, 2, 4, 8)
+    assert dense_cache(kc, None, 1).shape == (1, 2, 4, 8)
 
 
 @pytest.mark.gpu
@@ -403,3 +403,29 @@ def test_decode_step_with_append_replays_from_a_cuda_graph():
             want = step()  # eager, the same state: the append rewrites the same slots
             assert torch.equal(out, want)
             seq += 1
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("S", [1, 7, 64, 300])
+def test_the_kernel_finds_a_key_masks_bounds_as_torch_does(S):
+    """A Hugging Face decode step over a padding mask on the Triton backend: each program
+    finds the row's first and last visible position itself (MASK_BOUNDS, scanning 16 bytes a
+    step here) where the torch backend derives lengths with torch's reductions. Rows with
+    nothing visible (0 output), everything visible, holes, and a mask broadcast over the
+    batch (stride 0) as HF's expand gives it."""
+    from fusedattn.ops.decode import plans
+    from fusedattn.ops.decode.api import decode_with_key_mask
+
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(4, 1, 4, 16, generator=g)
+    kc, vc = torch.randn(4, S, 2, 16, generator=g), torch.randn(4, S, 2, 16, generator=g)
+    mask = torch.rand(4, S, generator=g) < 0.3
+    mask[1] = False
+    mask[2] = True
+    for m in (mask, mask[:1].expand(4, S), mask[:, None, None, :]):
+        for _ in range(2):  # the full path, then the plan
+            got = decode_with_key_mask(q, kc, vc, m, is_causal=True, backend="triton")
+            want = decode_with_key_mask(q.double(), kc.double(), vc.double(), m,
+                                        is_causal=True, backend="torch")  # fmt: skip
+            torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+        plans.MASKED.clear()

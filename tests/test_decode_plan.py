@@ -7,7 +7,7 @@ import torch
 from test_decode import make_cache
 
 import fusedattn
-from fusedattn.ops import decode_plan
+from fusedattn.ops.decode import plans as decode_plan
 
 BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 
@@ -15,8 +15,10 @@ BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kerne
 @pytest.fixture(autouse=True)
 def no_plans():
     decode_plan.PLANS.clear()
+    decode_plan.MASKED.clear()
     yield
     decode_plan.PLANS.clear()
+    decode_plan.MASKED.clear()
 
 
 def step_inputs(seed, paged=False):
@@ -99,3 +101,44 @@ def test_strides_and_alignment_are_part_of_the_key():
     shifted = torch.randn(2 * 48 * 2 * 16 + 1)[1:].view(2, 48, 2, 16)
     fusedattn.attention_with_kvcache(q, shifted, shifted, cache_seqlens=lengths)
     assert len(decode_plan.PLANS.plans) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "padding mask"])
+def test_the_hugging_face_decode_step_is_planned(backend, masked):
+    """The Hugging Face integration's decode step (decode_with_key_mask, over its (B, Hkv, S,
+    D) cache read in place): steps of one metadata run one plan (issue #59: a padded step ran
+    seven device ops and the whole validation outside any plan), each with its own mask's
+    bounds and holes, giving the bits of the full path and the reference's answer."""
+    from fusedattn import reference
+    from fusedattn.ops.decode.api import decode_with_key_mask
+
+    g = torch.Generator().manual_seed(0)
+    S = 24
+    cache_k = torch.randn(2, 2, S, 16, generator=g).transpose(1, 2)  # HF's cache, in place
+    cache_v = torch.randn(2, 2, S, 16, generator=g).transpose(1, 2)
+    sinks = torch.randn(4, generator=g)
+    for step in range(3):
+        q = torch.randn(2, 1, 4, 16, generator=g)
+        key_mask = None
+        if masked:  # left padding, a hole, and unfilled slots at the end, other each step
+            key_mask = torch.zeros(2, S, dtype=torch.bool)
+            key_mask[0, 2 + step : 15 + step] = True
+            key_mask[1, : 9 + step] = True
+            key_mask[1, 4] = False
+        kw = dict(is_causal=True, sinks=sinks, backend=backend)
+        got = decode_with_key_mask(q, cache_k, cache_v, key_mask, **kw)
+        assert len(decode_plan.MASKED.plans) == 1
+        decode_plan.MASKED.clear()
+        want = decode_with_key_mask(q, cache_k, cache_v, key_mask, **kw)  # the full path
+        assert torch.equal(got, want), step
+        visible = torch.ones(2, S, dtype=torch.bool) if key_mask is None else key_mask
+        for b in range(2):
+            keys = visible[b].nonzero().flatten()
+            truth = reference.attention(
+                q[b : b + 1].transpose(1, 2).double(), cache_k[b : b + 1, keys].transpose(1, 2).double(),
+                cache_v[b : b + 1, keys].transpose(1, 2).double(), sinks=sinks.double(),
+                enable_gqa=True,
+            )  # fmt: skip
+            torch.testing.assert_close(got[b : b + 1].double(), truth.transpose(1, 2), atol=2e-6,
+                                       rtol=2e-6)  # fmt: skip

@@ -10,7 +10,9 @@ from test_decode import make_cache
 
 import fusedattn
 from fusedattn.masks import NO_WINDOW
-from fusedattn.ops import decode as decode_ops
+from fusedattn.ops.decode import api as decode_ops
+from fusedattn.ops.decode import reference_backend, triton_backend
+from fusedattn.ops.shared import decode_launch
 
 pytest.importorskip("fusedattn.triton_kernels.decode")
 ALL_BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
@@ -168,7 +170,7 @@ def run_triton_unchecked(q, kc, vc, bt, seqlens, leftpad=None, num_splits=2):
     window = NO_WINDOW
     seq = torch.tensor(seqlens, dtype=torch.int32)
     lp = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32)
-    return decode_ops._triton(q, kc, vc, seq, bt, lp, None, None, window, 0.0, None, None,
+    return triton_backend.attention(q, kc, vc, seq, bt, lp, None, None, window, 0.0, None, None,
                               num_splits, True)  # fmt: skip
 
 
@@ -215,7 +217,7 @@ def test_the_decode_kernel_reads_nothing_outside_its_tensors(paged, seqlens, lef
     )
     clamped = None if bt is None else bt.clamp(0, kc.shape[0] - 1)
     assert clamped is None or not (clamped == poison).any()  # a clamped entry is a real page
-    want = decode_ops._reference(
+    want = reference_backend.attention(
         q.double(), kc.double(), vc.double(), torch.tensor(ends, dtype=torch.int32), clamped,
         torch.tensor(starts, dtype=torch.int32), None, None, NO_WINDOW, 0.0, None, None, 0, True,
     )  # fmt: skip
@@ -255,7 +257,7 @@ def test_the_append_kernel_writes_nothing_outside_the_cache(paged, seqlens, spoi
             row, slot = (b, pos) if bt is None else (int(bt[b, pos // 4]), pos % 4)
             if 0 <= row < kc.shape[0]:
                 cache_of(want_k)[row, slot], cache_of(want_v)[row, slot] = k[b, t], v[b, t]
-    decode_ops.append(kc, vc, k, v, seq, bt, kernel=True)
+    decode_launch.append(kc, vc, k, v, seq, bt, kernel=True)
     assert torch.equal(big_k.isnan(), want_k.isnan()) and torch.equal(big_v.isnan(), want_v.isnan())
     assert torch.equal(big_k.nan_to_num(), want_k.nan_to_num())
     assert torch.equal(big_v.nan_to_num(), want_v.nan_to_num())

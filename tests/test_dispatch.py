@@ -10,7 +10,8 @@ import torch
 from kx_check import attention_inputs
 
 import fusedattn
-from fusedattn.ops import backends
+from fusedattn import reference
+from fusedattn.ops.core import backends
 
 
 def small_qkv():
@@ -197,3 +198,15 @@ def test_cuda_named_may_compile_the_extension_on_first_use_auto_never_waits(monk
     monkeypatch.setattr(backends, "EXTENSION", None)
     monkeypatch.setattr(backends, "BUILD_ON_FIRST_USE", False)  # no toolkit: refused by name
     assert backends.device_refusals("cuda", cuda) == [backends.EXTENSION_ERROR]
+
+
+def test_the_reference_backend_serves_float64_rowwise_calls():
+    """backend="reference" takes float64 row-wise calls through dispatch (the naive modules of
+    the reference transformer used to be the only float64 callers; they now call the naive
+    ops directly, fusedattn.reference.modules)."""
+    x = torch.randn(3, 16, dtype=torch.float64)
+    w, b = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    torch.testing.assert_close(
+        fusedattn.layer_norm(x, 16, w, b, backend="reference"), reference.layer_norm(x, 16, w, b)
+    )
+    torch.testing.assert_close(fusedattn.softmax(x, -1, backend="reference"), reference.softmax(x))

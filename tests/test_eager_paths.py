@@ -80,7 +80,7 @@ def test_double_backward_is_a_clear_error(name, call, node):
 @pytest.mark.kernels
 def test_eager_and_custom_op_paths_agree():
     """The eager Function and the custom op run the same kernels: equal outputs and grads."""
-    from fusedattn.ops import norm_kernels
+    from fusedattn.ops.rowwise import norm_ops as norm_kernels
 
     x, w, b = leaves()
     eager = fusedattn.layer_norm(x, (16,), w, b, backend="triton")

@@ -11,7 +11,7 @@ from kx_check import assert_op_kx, attention_inputs
 
 import fusedattn
 from fusedattn import masks, reference
-from fusedattn.ops import backends
+from fusedattn.ops.core import backends
 from fusedattn.testing import assert_close_kx
 
 pytestmark = pytest.mark.gpu

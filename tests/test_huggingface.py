@@ -9,7 +9,7 @@ from fusedattn.testing import assert_close_kx
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("fusedattn.integrations.huggingface")
-from fusedattn.ops import backends  # noqa: E402
+from fusedattn.ops.core import backends  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -216,12 +216,12 @@ def test_cuda_fused_backward_many_rows_kx(N, dtype):
 
 
 def test_cuda_backend_refuses_what_it_cannot_run(monkeypatch):
-    from fusedattn.ops import rowwise
+    from fusedattn.ops.core import kernels as rowwise
 
     with pytest.raises(ValueError, match="cuda backend needs CUDA tensors"):
         fusedattn.layer_norm(torch.randn(2, 8, device="cpu"), 8, backend="cuda")
     assert rowwise.dtype_refusals(torch.randn(2, dtype=torch.float64), backend="cuda")
-    from fusedattn.ops import backends
+    from fusedattn.ops.core import backends
 
     monkeypatch.setattr(backends, "EXTENSION_ERROR", None)
     monkeypatch.setattr(backends, "EXTENSION_OPS", frozenset({"softmax"}))  # an older build

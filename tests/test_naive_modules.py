@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedattn.modules import naive
+from fusedattn.reference import modules as naive
 
 
 def pair(batch_first, bias=True, dropout=0.0):

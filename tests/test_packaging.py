@@ -158,7 +158,7 @@ def test_plain_install_compiles_the_extension_on_first_use(plain_wheel, tmp_path
     before = run(installed_python(INFO), tmp_path, env)
     assert "compiles it on first use" in before
     # What the first call with backend="cuda" runs (its kernels need a GPU, the build not).
-    code = "from fusedattn.ops import backends; e = backends.extension(); "
+    code = "from fusedattn.ops.core import backends; e = backends.extension(); "
     code += "print(e.build_info()['ops'], backends.EXTENSION_ORIGIN, e.__file__)"
     built = run(installed_python(code), tmp_path, env)
     assert "compiling the CUDA extension for 8.0" in built

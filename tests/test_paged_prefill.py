@@ -102,11 +102,11 @@ def test_triton_half_precision_every_option_at_once(dtype):
 @pytest.mark.kernels
 def test_triton_reads_the_pages_in_place_never_a_gathered_copy(monkeypatch):
     """The Triton path launches the decode kernel with packed queries over the cache itself:
-    no gather (the torch backend's _paged is never called), NaN in pages no sequence owns
-    never reaches the output."""
-    attention_ops = importlib.import_module("fusedattn.ops.attention")  # the module, not the op
+    no gather (the torch backend's paged_positions is never called), NaN in pages no sequence
+    owns never reaches the output."""
+    torch_backend = importlib.import_module("fusedattn.ops.attention.torch_backend")
 
-    monkeypatch.setattr(attention_ops, "_paged", lambda *a: pytest.fail("gathered"))
+    monkeypatch.setattr(torch_backend, "paged_positions", lambda *a: pytest.fail("gathered"))
     q, kc, vc, bt, cu_q, cu_k, _, _ = paged_case(torch.float32, 8)
     used = {int(p) for b, n in enumerate(K_LENGTHS) for p in bt[b, : -(-n // 8)]}
     for page in set(range(kc.shape[0])) - used:
@@ -177,9 +177,9 @@ def test_a_paged_prefill_compiles_whole(backend, variant):
 def test_triton_key_splits_combine_per_packed_row(splits, monkeypatch):
     """The split-key path (partials per packed query row, merged by decode_combine, rows past
     a sequence's queries left alone): the reference's answer for any split count."""
-    from fusedattn.ops import decode
+    from fusedattn.ops.shared import decode_launch
 
-    monkeypatch.setattr(decode, "default_splits", lambda *args: splits)
+    monkeypatch.setattr(decode_launch, "default_splits", lambda *args: splits)
     run("triton", torch.float32, 4, dict(window_size=(11, 0), sinks=True))
 
 

@@ -1,25 +1,28 @@
-"""Plans of the eager calls (ops/plans.py; attention_with_kvcache's in test_decode_plan.py): a
+"""Plans of the eager calls (ops/core/plans.py; attention_with_kvcache's in test_decode_plan.py): a
 call of known metadata skips validation, dispatch and launch preparation, and must give what
 the full path gives, forward and backward, with each call's own masks, padding and dropout
 seed; a wrapped or re-registered backend implementation is what runs."""
-
-import importlib
 
 import pytest
 import torch
 from dispatch_probe import count_dispatches
 
 import fusedattn
-from fusedattn.ops import plans
-
-attention_ops = importlib.import_module("fusedattn.ops.attention")  # the module, not the op
+from fusedattn.ops.attention import plans as attention_plans
+from fusedattn.ops.core import plans
+from fusedattn.ops.rowwise import plans as rowwise_plans
 
 BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 
 
 @pytest.fixture(autouse=True)
 def no_plans():
-    caches = (attention_ops.PLANS, plans.LAYER_NORM, plans.RMS_NORM, plans.SOFTMAX)
+    caches = (
+        attention_plans.PLANS,
+        rowwise_plans.LAYER_NORM,
+        rowwise_plans.RMS_NORM,
+        rowwise_plans.SOFTMAX,
+    )
     for cache in caches:
         cache.clear()
     yield
@@ -55,8 +58,8 @@ def test_planned_attention_calls_equal_the_full_path(backend, variant):
     calls give the full path's bits, forward and gradients."""
     for seed in range(3):
         planned = attention_call(seed, backend, **dict(variant))
-        assert len(attention_ops.PLANS.plans) == 1
-        attention_ops.PLANS.clear()
+        assert len(attention_plans.PLANS.plans) == 1
+        attention_plans.PLANS.clear()
         full = attention_call(seed, backend, **dict(variant))
         assert torch.equal(planned[0], full[0])
         for a, b in zip(planned[1], full[1], strict=True):
@@ -102,7 +105,11 @@ def test_planned_norms_and_softmax_equal_the_full_path(backend):
             for x in xs:
                 with torch.set_grad_enabled(grad):
                     planned = op(x)
-                for cache in (plans.LAYER_NORM, plans.RMS_NORM, plans.SOFTMAX):
+                for cache in (
+                    rowwise_plans.LAYER_NORM,
+                    rowwise_plans.RMS_NORM,
+                    rowwise_plans.SOFTMAX,
+                ):
                     cache.clear()
                 with torch.set_grad_enabled(grad):
                     full = op(x)
@@ -128,7 +135,7 @@ def test_a_wrapped_implementation_is_what_runs():
 def test_bypassed_plans_send_every_call_through_select(monkeypatch):
     """Inside plans.bypassed() every call of every planned op reaches backends.select (what
     scripts/profile_model.py counts), and no plan is made; after it plans serve again."""
-    from fusedattn.ops import backends
+    from fusedattn.ops.core import backends
 
     q = torch.randn(1, 2, 8, 16)
     x = torch.randn(4, 32)

@@ -9,7 +9,7 @@ import torch
 
 import fusedattn
 from fusedattn import support
-from fusedattn.ops import backends
+from fusedattn.ops.core import backends
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

@@ -207,3 +207,30 @@ def test_attention_edge_cases_of_sdpa():
         torch.testing.assert_close(
             got, fusedattn.attention(q, k, v, key_padding_mask=kpm, backend=backend)
         )
+
+
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])
+def test_float64_alibi_stays_float64_in_decoding_and_packed_calls(slopes_shape):
+    """float64 in, float64 throughout: the ALiBi bias of the decode and packed torch paths was
+    built from the fp32 slopes in fp32 (4.1e-8 from the truth; the reference 2.2e-16)."""
+    g = torch.Generator().manual_seed(0)
+    slopes = torch.rand(*slopes_shape, generator=g) + 0.1  # float32, as the API asks
+    q = torch.randn(2, 3, 4, 16, dtype=torch.float64, generator=g)
+    kc = torch.randn(2, 40, 2, 16, dtype=torch.float64, generator=g)
+    vc = torch.randn(2, 40, 2, 16, dtype=torch.float64, generator=g)
+    lengths = torch.tensor([37, 21], dtype=torch.int32)
+    kw = dict(cache_seqlens=lengths, alibi_slopes=slopes, is_causal=True)
+    got = fusedattn.attention_with_kvcache(q, kc, vc, backend="torch", **kw)
+    want = reference.attention_with_kvcache(q, kc, vc, **kw)
+    assert (got - want).abs().max() < 1e-12
+    packed_q = q.flatten(0, 1)  # (8, 4, 16): sequences of 4 queries over 37 and 21 keys
+    keys = torch.cat([kc[0, :37], kc[1, :21]])
+    values = torch.cat([vc[0, :37], vc[1, :21]])
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 37, 58], dtype=torch.int32)
+    args = (packed_q[:6], keys, values, cu_q, cu_k, 3, 37)
+    kw = dict(alibi_slopes=slopes, is_causal=True, causal_alignment="bottom_right",
+              enable_gqa=True)  # fmt: skip
+    got = fusedattn.varlen_attention(*args, backend="torch", **kw)
+    want = reference.varlen_attention(*args, **kw)
+    assert (got - want).abs().max() < 1e-12

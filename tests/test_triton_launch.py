@@ -13,7 +13,7 @@ import inspect
 import pytest
 import torch
 
-from fusedattn.ops import triton_launch
+from fusedattn.ops.core import triton_launch
 
 
 class FakeParam:
@@ -219,7 +219,7 @@ def test_fusedattns_launchers_pass_tensors_then_scalars(monkeypatch):
     kpm[0, 12:] = True
     out = fusedattn.attention(q, k, v, key_padding_mask=kpm, is_causal=True, backend="triton")
     out.sum().backward()
-    from fusedattn.ops.rowwise import kernels
+    from fusedattn.ops.core.kernels import kernels
 
     x = torch.randn(5, 40, requires_grad=True)
     w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)

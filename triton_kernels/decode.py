@@ -99,6 +99,22 @@ def _page(entry, num_rows):
 
 
 @triton.jit
+def _mask_bounds(KEY_MASK, b, skm_b, capacity, MASK_SCAN: tl.constexpr):
+    """(first visible position, one past the last) of sequence b's (capacity,) bool row; (0,
+    0) when none is visible."""
+    first = tl.full([MASK_SCAN], 0, tl.int32) + capacity
+    end = tl.zeros([MASK_SCAN], tl.int32)
+    for start in range(0, capacity, MASK_SCAN):
+        cols = start + tl.arange(0, MASK_SCAN)
+        inside = cols < capacity
+        seen = (tl.load(KEY_MASK + b * skm_b + cols, mask=inside, other=0) != 0) & inside
+        first = tl.minimum(first, tl.where(seen, cols, capacity))
+        end = tl.maximum(end, tl.where(seen, cols + 1, 0))
+    seq_end = tl.max(end, axis=0)
+    return tl.minimum(tl.min(first, axis=0), seq_end), seq_end
+
+
+@triton.jit
 def _whole_page_tiles(
     K, V, BLOCK_TABLE, b, hk, tile, seq_end, col_ok, d, dv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     sbt_b, D, Dv, num_rows, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -135,6 +151,7 @@ def attention_decode(
     PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_BOUNDS: tl.constexpr = False, MASK_SCAN: tl.constexpr = 1024,
 ):  # fmt: skip
     """One (sequence b, kv head hk, query block, key split) program. K strides: (sequence,
     position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
@@ -148,7 +165,11 @@ def attention_decode(
     bottom-right of its own keys.
     KEY_MASK (HAS_KEY_MASK; internal, the Hugging Face integration's): a (B, capacity) bool
     row of the positions the sequence's queries may see, holes allowed; keys outside it are
-    neither loaded nor weighed.
+    neither loaded nor weighed. MASK_BOUNDS: the sequence's keys are the row's first visible
+    position to its last, found by each program scanning the row (MASK_SCAN bytes a step, from
+    L2 after the first program of the sequence: S bytes next to the S * Hkv * (D + Dv) * 2 of
+    K/V), so a padded decode step launches what an unpadded one does; SEQLENS_K and LEFTPAD are
+    then not read.
 
     L_b = SEQLENS_K[b] + seqlen_add (the keys an append in the same step adds: its lengths
     tensor is read as it was, no add on the host). Whatever the values of the lengths and the block table (checked on the host only on
@@ -182,10 +203,13 @@ def attention_decode(
     q_row = q0 + qi.to(tl.int64)
     q = tl.load(Q + b * sq_b + q_row[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b) + seqlen_add, 0), capacity)
-    seq_start = 0
-    if HAS_LEFTPAD:
-        seq_start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seq_end)
+    if MASK_BOUNDS:  # the keys run from the mask row's first visible position to its last
+        seq_start, seq_end = _mask_bounds(KEY_MASK, b, skm_b, capacity, MASK_SCAN)
+    else:
+        seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b) + seqlen_add, 0), capacity)
+        seq_start = 0
+        if HAS_LEFTPAD:
+            seq_start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seq_end)
     pos = seq_end - Tq_b + qi  # each row's key position (bottom-right)
     lo = seq_start
     if HAS_LEFT:  # the first query's window starts here; no row sees a key before it

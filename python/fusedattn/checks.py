@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .cache_layout import kvcache_capacity
 from .masks import Window, make_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -155,7 +156,7 @@ def check_heads(Hq: int, Hkv: int, enable_gqa) -> None:
 def check_attention_args(
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
     *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
-    causal_alignment="top_left",
+    causal_alignment="top_left", return_lse=False,
 ) -> Window:  # fmt: skip
     """Validate the arguments of `fusedattn.attention` (SDPA's layout and mask conventions);
     returns the call's normalised positional window."""
@@ -201,6 +202,7 @@ def check_attention_args(
             )
     check_dropout(dropout_p)
     check_bool("is_causal", is_causal)
+    check_bool("return_lse", return_lse)
     check_scale(scale)
     check_attention_variants(
         window_size, softcap, alibi_slopes, sinks, causal_alignment,
@@ -214,7 +216,7 @@ def check_attention_args(
 def check_varlen_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
     scale, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
-    causal_alignment="top_left", block_table=None,
+    causal_alignment="top_left", block_table=None, return_lse=False,
 ) -> Window:  # fmt: skip
     """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences, or with
     block_table keys and values in a paged cache (num_pages, page_size, Hkv, D)); returns the
@@ -257,6 +259,7 @@ def check_varlen_args(
             raise TypeError(f"{name} must be a non-negative int, got {m!r}")
     check_dropout(dropout_p)
     check_bool("is_causal", is_causal)
+    check_bool("return_lse", return_lse)
     check_scale(scale)
     check_attention_variants(
         window_size, softcap, alibi_slopes, sinks, causal_alignment,
@@ -388,7 +391,7 @@ def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
 
 def check_kvcache_args(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale, is_causal,
-    window_size, softcap, alibi_slopes, sinks, num_splits,
+    window_size, softcap, alibi_slopes, sinks, num_splits, return_lse=False,
 ) -> tuple[Window, torch.Tensor]:  # fmt: skip
     """Validate `fusedattn.attention_with_kvcache` (flash-attention's layout: sequence before
     heads); returns the normalised positional window (bottom-right) and cache_seqlens as an
@@ -470,6 +473,7 @@ def check_kvcache_args(
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = chosen per call), got {num_splits}")
     check_bool("is_causal", is_causal)
+    check_bool("return_lse", return_lse)
     check_scale(scale)
     check_attention_variants(
         window_size, softcap, alibi_slopes, sinks, "bottom_right",
@@ -483,12 +487,9 @@ def check_kvcache_args(
     return window, cache_seqlens
 
 
-def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
-    """Key positions per sequence: S of a contiguous cache, max_pages * page_size of a paged
-    one."""
-    if block_table is None:
-        return k_cache.shape[1]
-    return block_table.shape[1] * k_cache.shape[1]
+def paged_key_count(b: int) -> str:
+    """How a value error names sequence b's key count in a paged varlen call."""
+    return f"cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}]"
 
 
 def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tnew: int,
@@ -506,9 +507,13 @@ def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tne
     if len(bad):
         b = int(bad[0, 0])
         room = f"room for the {Tnew} appended keys in " if Tnew else ""
+        holds = f"a cache of {capacity} positions per sequence"
+        if block_table is not None and int(seqlens[b]) > capacity - Tnew:
+            holds = (f"block_table holds {block_table.shape[1]} pages of {k_cache.shape[1]}: "
+                     f"{capacity} positions per sequence")  # fmt: skip
         raise ValueError(
-            f"{length_of(b)} = {int(seqlens[b])} is outside [0, {capacity - Tnew}] ({room}a "
-            f"cache of {capacity} positions per sequence); nothing was written"
+            f"{length_of(b)} = {int(seqlens[b])} is outside [0, {capacity - Tnew}] ({room}"
+            f"{holds}); nothing was written"
         )
     ends = seqlens + Tnew
     leftpad = torch.zeros_like(seqlens)

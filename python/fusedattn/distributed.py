@@ -37,6 +37,7 @@ raises the same ValueError on every rank instead of hanging.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 import zlib
 from typing import NamedTuple
@@ -44,9 +45,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .checks import check_attention_args
+from .checks import check_attention_args, check_bool, check_dropout, check_tensor
 from .masks import NO_WINDOW, Window, window_mask
 from .ops import attention
+from .ops.attention import custom_ops
+from .ops.core import backends
 from .reference.attention import attention_scores, expand_kv_heads, log_sum_exp
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -85,8 +88,19 @@ def chunk_offsets(rank: int, world: int, T: int, layout: str) -> list[tuple[int,
     return [(rank * c, c), ((2 * world - 1 - rank) * c, c)]
 
 
+def _check_sequence(x, dim) -> int:
+    """x a tensor and dim one of its dims (made non-negative)."""
+    check_tensor("x", x)
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} is out of range for x with {x.dim()} dimensions")
+    return int(dim) % x.dim()
+
+
 def shard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
     """This rank's shard of x along `dim` (the whole sequence, the same on every rank)."""
+    dim = _check_sequence(x, dim)
     world, rank = _world(group)
     parts = [
         x.narrow(dim, start, n) for start, n in chunk_offsets(rank, world, x.shape[dim], layout)
@@ -97,6 +111,7 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag"
 def unshard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
     """The whole sequence from every rank's shard x along `dim` (an all-gather; the same on
     every rank)."""
+    dim = _check_sequence(x, dim)
     world, _ = _world(group)
     _check_layout(layout)
     shards = [_dense_like(x) for _ in range(world)]
@@ -164,11 +179,9 @@ def _block_of(q_chunk, k_chunk, cfg) -> Block | None:
 def _block_forward(q, k, v, window, cfg):
     """(out fp32, lse) of the query rows q against the keys k, v under the top-left window."""
     if cfg.backend == "triton":  # the kernel, its output kept in fp32 for the merge
-        from .ops.flash_attention import _attention_forward
-
         left, right = window or (-1, -1)
-        out, lse, _ = _attention_forward(
-            *_kernel_inputs(q, k, v, cfg), None, None, None, None, None, None, 0, 0, left,
+        out, lse, _ = custom_ops._attention_forward(
+            q, k, v, None, None, None, None, None, None, 0, 0, left,
             right, False, cfg.scale_value, cfg.softcap, 0.0, None, "triton",
             out_dtype=torch.float32,
         )  # fmt: skip
@@ -184,26 +197,13 @@ def _block_forward(q, k, v, window, cfg):
     return out.float(), lse
 
 
-def _kernel_inputs(q, k, v, cfg):
-    """q, k, v as the Triton backend gets them from fusedattn.attention (checked there): the
-    refusals, asked here once per call, are the same."""
-    from .ops.flash_attention import triton_refusals
-
-    reasons = triton_refusals(q=q, v=v)
-    if reasons:
-        raise ValueError("backend='triton' cannot run these blocks: " + "; ".join(reasons))
-    return q, k, v
-
-
 def _block_backward(dout, q, k, v, out, lse, window, cfg):
     """(dq, dk, dv) in fp32 of the query rows q against the keys k, v, from the rows' whole
     out and lse (the row's probabilities restricted to these keys)."""
     lse = lse.contiguous()  # the kernels read lse as a dense (B, H, T), not through strides
     if cfg.backend == "triton":
-        from .ops.flash_attention import _attention_backward
-
         left, right = window or (-1, -1)
-        dq, dk, dv, _, _ = _attention_backward(
+        dq, dk, dv, _, _ = custom_ops._attention_backward(
             dout, q, k, v, out, lse, None, None, None, None, None, None, 0, 0, left, right,
             False, cfg.scale_value, cfg.softcap, 0.0, None, False, "triton",
             delta_from_out=True, grads_dtype=torch.float32,
@@ -290,6 +290,21 @@ def _reduce_scatter(chunks: list[torch.Tensor], group) -> torch.Tensor:
 class _Config:
     def __init__(self, **kw):
         self.__dict__.update(kw)
+
+
+def _check_backend(q, k, v, scale, enable_gqa, window, softcap, backend) -> None:
+    """Every refusal of `backend` for the block calls, raised as fusedattn.attention raises it
+    (BackendUnavailableError) before anything is sent. The Triton blocks call the kernels'
+    forward and backward directly, so the backend's refusals (device, dtype, head dims, the
+    interpreter switch on a CPU) are asked here once, for a block with the call's options: a
+    block differs only in its length and window, which no backend refuses. The torch blocks
+    compute the log-sum-exp themselves (SDPA returns none); the sinks join in the merge."""
+    inputs = dict(
+        q=q, k=k, v=v, attn_mask=None, dropout_p=0.0, scale=scale, enable_gqa=enable_gqa,
+        key_padding_mask=None, window=window, softcap=float(softcap), alibi_slopes=None,
+        sinks=None, return_lse=backend != "torch",
+    )  # fmt: skip
+    backends.select("attention", backend, q.device, inputs)
 
 
 def _global_check(q, k, v, sinks, cfg, group, world):
@@ -487,11 +502,14 @@ def context_parallel_attention(
         raise ValueError(
             f"backend must be one of {BACKENDS} for context parallelism, got {backend!r}"
         )
+    check_dropout(dropout_p)
     if dropout_p:
         raise ValueError(
-            "context_parallel_attention does not take dropout: each block would draw its own "
-            "mask, so the result would not be attention with dropout on the whole sequence"
+            f"context_parallel_attention does not take dropout (dropout_p={dropout_p}): each "
+            "block would draw its own mask, so the result would not be attention with dropout "
+            "on the whole sequence"
         )
+    check_bool("return_lse", return_lse)
     window = check_attention_args(
         q, k, v, None, 0.0, is_causal, scale, enable_gqa, None, window_size=window_size,
         softcap=softcap, sinks=sinks,
@@ -499,6 +517,7 @@ def context_parallel_attention(
     world, rank = _world(group)
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
+    _check_backend(q, k, v, scale, enable_gqa, window, softcap, backend)
     cfg = _Config(
         group=group, world=world, rank=rank, T=q.shape[2] * world, layout=layout,
         strategy=strategy, is_causal=is_causal, window=(window.left, window.right),

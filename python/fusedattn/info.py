@@ -16,8 +16,8 @@ import sys
 import torch
 
 from ._version import __version__
-from .ops import backends
-from .ops.flash_attention import CUDA_BACKWARD_ENV
+from .ops.attention.cuda_args import CUDA_BACKWARD_ENV
+from .ops.core import auto, backends
 
 
 def _package_version(name: str) -> str | None:
@@ -99,9 +99,7 @@ def extension_line(ext: dict) -> str:
 
 
 def auto_table_text() -> str:
-    """auto's measured routing (ops/auto_table.py) in force: one line per key."""
-    from .ops import auto
-
+    """auto's measured routing (ops/core/auto_table.py) in force: one line per key."""
     lines = [f"auto: {auto.TABLE_SOURCE}"]
     here = auto.capability(0) if torch.cuda.is_available() else ""
     for cap, ops in sorted(auto.TABLE.items()):

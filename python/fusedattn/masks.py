@@ -169,13 +169,16 @@ def shift_float_mask(
     sinks, whose logit does not move with the row (there a large offset only makes the sink
     win, as it should).
 
-    Returns (shifted mask, shift of the shifted mask's shape without its last dim), or (attn_mask, None) for a bool mask or one with no
-    keys."""
+    Returns (shifted mask, shift of the shifted mask's shape without its last dim), or
+    (attn_mask, None) for a bool mask or where there are no keys (the mask's own last dim,
+    or its broadcast against `visible`, is 0)."""
     if attn_mask.dtype == torch.bool or attn_mask.dim() == 0 or attn_mask.shape[-1] == 0:
         return attn_mask, None
     entries = attn_mask.detach()
     if visible is not None:
         entries = entries.masked_fill(~visible, float("-inf"))
+    if entries.shape[-1] == 0:  # a mask broadcast over no keys at all: no row sees a key
+        return attn_mask, None
     row_max = entries.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     if visible is None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
-from .ops import backends, rowwise
+from . import distributed, ops
+from .ops.core import backends, kernels
 
 START = "<!-- support-matrix:start (python -m fusedattn.support --update README.md) -->"
 END = "<!-- support-matrix:end -->"
@@ -201,7 +201,7 @@ def _impl_refusals(op: str, backend: str, inputs: dict) -> list[str] | None:
 def _environment_reasons() -> set[str]:
     """Refusals that depend on this machine, not on the call: an extension built before an op
     existed (that it is not built at all is a device-level reason, never asked here)."""
-    return {r for op in backends.OPS for r in rowwise.extension_op_refusals(op)}
+    return {r for op in backends.OPS for r in kernels.extension_op_refusals(op)}
 
 
 def feature_refusals(feature: Feature) -> dict[str, list[str] | None]:
@@ -243,8 +243,6 @@ def markdown() -> str:
 def _context_parallel_row() -> str:
     """fusedattn.distributed runs its blocks through the backends it names (its BACKENDS), with
     every option of attention but dropout; the others have no context-parallel path."""
-    from . import distributed
-
     cells = [YES if b in distributed.BACKENDS else NONE for b in backends.BACKENDS]
     return "| context_parallel_attention (no dropout) | " + " | ".join(cells) + " |"
 

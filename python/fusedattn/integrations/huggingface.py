@@ -34,8 +34,9 @@ import functools
 
 import torch
 
-from ..ops import attention, backends, varlen_attention
-from ..ops.decode import decode_with_key_mask
+from ..ops import attention, varlen_attention
+from ..ops.core import backends
+from ..ops.decode.api import decode_with_key_mask
 
 NAME = "fusedattn"
 
@@ -184,7 +185,13 @@ def _decode_step(query, key, value, attention_mask, causal, window, variants):
     .transpose(1, 2)."""
     visible = None
     if attention_mask is not None:
-        visible = attention_mask[:, 0, -1, :].expand(query.shape[0], key.shape[2])
+        # the last query row of head 0; HF's (B, 1, 1, S) decode mask is that row already,
+        # and passing it whole costs no view (a padded step's host time, bench_host.py)
+        B, H, Tq, S = attention_mask.shape
+        if H == 1 and Tq == 1 and query.shape[0] == B and attention_mask.stride(-1) == 1:
+            visible = attention_mask  # (B, 1, 1, S), as HF hands it: read in place
+        else:
+            visible = attention_mask.select(1, 0).select(1, -1).expand(query.shape[0], S)
         # The row is the whole pattern, sliding window included, and a sliding layer's static
         # cache may hold its slots out of position order: no positional rule on top of it.
         window = None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..nn_interfaces import FusedModule, norm_shape
 from ..ops import layer_norm
-from ._torch_compat import FusedModule
 
 
 class LayerNorm(nn.LayerNorm, FusedModule):
@@ -23,7 +23,7 @@ class LayerNorm(nn.LayerNorm, FusedModule):
         *,
         backend="auto",
     ):
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        super().__init__(norm_shape(normalized_shape), eps, elementwise_affine, bias, device, dtype)
         self.backend = backend
         self._register_fused_hooks()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..nn_interfaces import FusedModule, norm_shape
 from ..ops import rms_norm
-from ._torch_compat import FusedModule
 
 
 def is_hf_llama_rms_norm(module: nn.Module) -> bool:
@@ -48,7 +48,7 @@ class RMSNorm(nn.RMSNorm, FusedModule):
         *,
         backend="auto",
     ):
-        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        super().__init__(norm_shape(normalized_shape), eps, elementwise_affine, device, dtype)
         self.backend = backend
         # Hugging Face's LlamaRMSNorm semantics (from_hf): weight * normalised.to(x.dtype)
         self.weight_after_rounding = False

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
+from ..nn_interfaces import FusedModule, softmax_dim
 from ..ops import softmax
-from ._torch_compat import FusedModule
 
 
 class Softmax(nn.Softmax, FusedModule):
@@ -24,12 +22,4 @@ class Softmax(nn.Softmax, FusedModule):
         return cls(module.dim, backend=backend).train(module.training)
 
     def forward(self, input):
-        dim = self.dim
-        if dim is None:  # nn.Softmax's legacy implicit dim, with its warning
-            warnings.warn(
-                "Implicit dimension choice for softmax has been deprecated. "
-                "Change the call to include dim=X as an argument.",
-                stacklevel=2,
-            )
-            dim = 0 if input.dim() in (0, 1, 3) else 1
-        return softmax(input, dim, backend=self.backend)
+        return softmax(input, softmax_dim(self.dim, input), backend=self.backend)

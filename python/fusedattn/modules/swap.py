@@ -4,27 +4,24 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..ops.core.backends import BACKENDS
+from ..reference import modules as naive
 from .attention import MultiheadAttention
 from .layernorm import LayerNorm
 from .rmsnorm import RMSNorm, is_hf_llama_rms_norm
 from .softmax import Softmax
 
-
-def _replaced_types():
-    """Exact types replaced: torch's modules and the naive twins (fusedattn.modules.naive:
-    they subclass ours, so naive imports this package and is looked up at call time).
-    Subclasses that users wrote are left alone: their forward may do more than the base
-    class."""
-    from . import naive as ref
-
-    return {
-        "attention": (nn.MultiheadAttention, ref.MultiheadAttention),
-        "layernorm": (nn.LayerNorm, ref.LayerNorm),
-        "rmsnorm": (nn.RMSNorm, ref.RMSNorm),
-        "softmax": (nn.Softmax, ref.Softmax),
-    }
+# Exact types replaced: torch's modules and the naive twins (fusedattn.reference.modules).
+# Subclasses that users wrote are left alone: their forward may do more than the base class.
+REPLACED = {
+    "attention": (nn.MultiheadAttention, naive.MultiheadAttention),
+    "layernorm": (nn.LayerNorm, naive.LayerNorm),
+    "rmsnorm": (nn.RMSNorm, naive.RMSNorm),
+    "softmax": (nn.Softmax, naive.Softmax),
+}
 
 
+BACKEND_NAMES = (*BACKENDS, "auto")
 FUSED = {"attention": MultiheadAttention, "layernorm": LayerNorm, "rmsnorm": RMSNorm,
          "softmax": Softmax}  # fmt: skip
 
@@ -32,11 +29,11 @@ FUSED = {"attention": MultiheadAttention, "layernorm": LayerNorm, "rmsnorm": RMS
 def _replacement(module, backend, wanted):
     """The fused module to put in `module`'s place, or None to keep it. A module that is
     already fused only has its backend retargeted."""
-    kind, types = type(module), _replaced_types()
+    kind = type(module)
     for family, cls in FUSED.items():
         if not wanted[family]:
             continue
-        if kind in types[family]:
+        if kind in REPLACED[family]:
             return cls.from_torch(module, backend=backend)
         if kind is cls:
             module.backend = backend
@@ -68,9 +65,11 @@ def swap_modules(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"swap_modules takes an nn.Module, got {type(model).__name__} (wrap a list of "
-            "modules in nn.ModuleList or nn.Sequential)"
+            f"model must be an nn.Module, got {type(model).__name__} (swap_modules takes an "
+            "nn.Module; wrap a list of modules in nn.ModuleList or nn.Sequential)"
         )
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     wanted = dict(attention=attention, layernorm=layernorm, rmsnorm=rmsnorm, softmax=softmax)
     root = _replacement(model, backend, wanted)
     if root is not None:

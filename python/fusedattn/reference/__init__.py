@@ -2,9 +2,12 @@
 
 `attention`, `varlen_attention`, `attention_with_kvcache`, `layer_norm`, `rms_norm` and
 `softmax` are the correctness references and the baseline the benchmarks beat;
-`transformer` is the reference model (built from `fusedattn.modules.naive`: the drop-in
-modules pinned to these ops, torch's state_dict layout). Nothing here imports fusedattn.ops
-or fusedattn.modules at import time: ops/ imports the naive ops, not the other way round.
+`modules` holds naive twins of the drop-in modules (torch's interfaces and state_dicts,
+computed by these ops) and `transformer` the reference model built from them.
+
+The layer below fusedattn.ops: the package imports only torch and fusedattn's level-0
+modules (checks, masks, cache_layout, autocast, nn_interfaces), never fusedattn.ops or
+fusedattn.modules, deferred imports included (tests/test_import_graph.py).
 """
 
 from . import decode

@@ -15,11 +15,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..cache_layout import packed_rows
 from ..checks import (
     check_attention_args,
     check_kvcache_values,
     check_varlen_args,
     check_varlen_values,
+    paged_key_count,
 )
 from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from .softmax import safe_softmax
@@ -93,7 +95,7 @@ def attention(
     window = check_attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        causal_alignment=causal_alignment,
+        causal_alignment=causal_alignment, return_lse=return_lse,
     )  # fmt: skip
     if key_padding_mask is not None:  # a padded key never contributes, even a NaN in it
         pad = key_padding_mask[:, None, :, None]
@@ -135,7 +137,7 @@ def varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
         scale, enable_gqa, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-        block_table=block_table,
+        block_table=block_table, return_lse=return_lse,
     )  # fmt: skip
     if block_table is not None:
         k, v = gather_pages(k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_q,
@@ -149,29 +151,17 @@ def varlen_attention(
     )  # fmt: skip
 
 
-def paged_key_count(b: int) -> str:
-    """How a value error names sequence b's key count in a paged varlen call."""
-    return f"cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}]"
-
-
 def gather_pages(k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, total_q, max_seqlen_q,
                  max_seqlen_k, block_table):  # fmt: skip
     """Packed (total_k, Hkv, D[v]) keys and values of a paged cache: sequence b's first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions, in order. The prefix sums, lengths and
     block-table entries are checked on the host first (ValueError)."""
-    from .decode import cache_rows
-
     _, bounds = check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, None, max_seqlen_q,
                                     max_seqlen_k)  # fmt: skip
-    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], dtype=torch.int32)
-    check_kvcache_values(lengths, None, block_table, k_cache, 0, paged_key_count)
-    keys, values = [], []
-    for b, n in enumerate(lengths.tolist()):
-        keys.append(cache_rows(k_cache, block_table, b, 0, n))
-        values.append(cache_rows(v_cache, block_table, b, 0, n))
-    if not keys:
-        return k_cache[:0, 0], v_cache[:0, 0]
-    return torch.cat(keys), torch.cat(values)
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    check_kvcache_values(torch.tensor(lengths, dtype=torch.int32), None, block_table, k_cache,
+                         0, paged_key_count)  # fmt: skip
+    return packed_rows(k_cache, block_table, lengths), packed_rows(v_cache, block_table, lengths)
 
 
 def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -1,6 +1,5 @@
-"""Naive attention over a KV cache: the plain-torch twin of `fusedattn.attention_with_kvcache`,
-and the cache helpers every backend shares (the in-place append, the gather of one
-sequence's keys through a block table).
+"""Naive attention over a KV cache: the plain-torch twin of `fusedattn.attention_with_kvcache`
+(the cache's layouts and the in-place append: fusedattn.cache_layout).
 
 One sequence at a time, through the naive `attention` with bottom-right positions: sequence
 b's keys are cache positions cache_leftpad[b] .. L_b - 1 with L_b = cache_seqlens[b] + Tnew,
@@ -12,37 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..cache_layout import append_to_cache, cache_rows
 from ..checks import check_kvcache_args, check_kvcache_values
 from .attention import attention
-
-
-def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
-    """Write k, v (B, Tnew, Hkv, D[v]) into the caches at positions cache_seqlens[b] ..
-    cache_seqlens[b] + Tnew - 1 of each sequence, in place (through block_table when paged).
-    Indexed writes on the device: no sync; nothing else in the cache is touched. The values
-    were checked first (checks.check_kvcache_values): every index is inside the cache."""
-    B, Tnew = k.shape[:2]
-    if Tnew == 0 or B == 0:
-        return
-    pos = cache_seqlens.long()[:, None] + torch.arange(Tnew, device=k.device)  # (B, Tnew)
-    if block_table is None:
-        rows = torch.arange(B, device=k.device)[:, None].expand(B, Tnew)
-        k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
-    else:
-        page_size = k_cache.shape[1]
-        page = torch.gather(block_table.long(), 1, pos // page_size)
-        k_cache[page, pos % page_size] = k
-        v_cache[page, pos % page_size] = v
-
-
-def cache_rows(cache: torch.Tensor, block_table, b: int, start: int, end: int) -> torch.Tensor:
-    """Sequence b's cache positions [start, end) as (end - start, Hkv, D) rows."""
-    if block_table is None:
-        return cache[b, start:end]
-    pos = torch.arange(start, end, device=cache.device)
-    page_size = cache.shape[1]
-    return cache[block_table[b].long()[pos // page_size], pos % page_size]
 
 
 def attention_with_kvcache(
@@ -54,7 +25,7 @@ def attention_with_kvcache(
     pass per sequence). Returns out (B, Tq, Hq, Dv) [, lse (B, Hq, Tq) fp32]."""
     window, seqlens = check_kvcache_args(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
-        is_causal, window_size, softcap, alibi_slopes, sinks, num_splits,
+        is_causal, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse,
     )  # fmt: skip
     Tnew = 0 if k is None else k.shape[1]
     check_kvcache_values(seqlens, cache_leftpad, block_table, k_cache, Tnew)

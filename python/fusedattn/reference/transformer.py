@@ -4,7 +4,7 @@ Token embeddings + sinusoidal positions; encoder (bidirectional self-attention +
 decoder (causal self-attention + cross-attention); ReLU or GELU MLP; post-norm or pre-norm.
 Three shapes from one config: encoder-decoder (seq2seq), encoder-only (BERT-like) and
 decoder-only (GPT-like). Attention, LayerNorm and softmax are modules from
-`fusedattn.modules.naive` with torch's state_dict layout, so `fusedattn.swap_modules` can
+`fusedattn.reference.modules` with torch's state_dict layout, so `fusedattn.swap_modules` can
 replace them and one set of weights runs with naive or fused ops.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..masks import causal_mask
-from ..modules.naive import LayerNorm, MultiheadAttention
+from .modules import LayerNorm, MultiheadAttention
 
 
 @dataclass

@@ -22,6 +22,9 @@ block_table. fp32 inputs, which flash-attention refuses, are accepted.
 
 from __future__ import annotations
 
+import functools
+import numbers
+
 import torch
 
 from ...ops import attention, attention_with_kvcache, varlen_attention
@@ -40,9 +43,76 @@ __all__ = [
 ]
 
 
+# ---- flash-attention's error types -------------------------------------------------------------
+
+_RUNTIME_TWINS: dict[type, type] = {}
+
+
+def _runtime_twin(cls: type) -> type:
+    """cls with RuntimeError among its bases: flash-attention raises RuntimeError for bad input
+    (its TORCH_CHECKs), fusedattn ValueError/TypeError; compat's errors are both, so code that
+    catches either still catches them."""
+    twin = _RUNTIME_TWINS.get(cls)
+    if twin is None:
+        twin = type(cls.__name__, (cls, RuntimeError), {"__module__": __name__})
+        _RUNTIME_TWINS[cls] = twin
+    return twin
+
+
+def _flash_errors(fn):
+    """fn with its ValueError/TypeError raised as the same error that is also a RuntimeError
+    (same message, the original as its cause)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, RuntimeError):
+                raise
+            raise _runtime_twin(type(e))(*e.args) from e
+
+    return wrapper
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """The output of an inference-only call made while autograd records (flash-attention runs
+    its forward then too): the forward's values, and a backward that raises saying why."""
+
+    @staticmethod
+    def forward(ctx, what, out, *inputs):
+        ctx.what = what
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise _runtime_twin(ValueError)(
+            f"{ctx.what} has no backward (fusedattn, like flash-attention, reads a paged cache "
+            "for inference only): compute gradients through a call without block_table"
+        )
+
+
 def _window(window_size) -> tuple[int, int] | None:
+    """flash-attention's window_size (-1 = unbounded) as fusedattn's (None = no window)."""
+    ok = isinstance(window_size, tuple | list) and len(window_size) == 2
+    if not ok or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                         for w in window_size):  # fmt: skip
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = (int(w) for w in window_size)
     return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _check_args(dropout_p, softmax_scale, causal) -> None:
+    """The arguments whose names differ from fusedattn's (softmax_scale for scale, causal for
+    is_causal), checked under flash-attention's names; the rest fusedattn's checks name."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {dropout_p!r}")
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+    ):
+        raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
 
 
 def _int(value, name: str) -> int:
@@ -77,6 +147,7 @@ def _result(result, q, return_attn_probs, transpose: bool):
     return (out, _flash_lse(lse), q.new_empty(0)) if return_attn_probs else out
 
 
+@_flash_errors
 def flash_attn_func(
     q,
     k,
@@ -92,6 +163,7 @@ def flash_attn_func(
 ):
     """q (B, Tq, Hq, D), k (B, Tk, Hkv, D), v (B, Tk, Hkv, Dv) -> out (B, Tq, Hq, Dv)
     [, softmax_lse (B, Hq, Tq), S_dmask]; see the module docstring."""
+    _check_args(dropout_p, softmax_scale, causal)
     _check_probs(dropout_p, return_attn_probs)
     result = attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
@@ -102,6 +174,7 @@ def flash_attn_func(
     return _result(result, q, return_attn_probs, transpose=True)
 
 
+@_flash_errors
 def flash_attn_qkvpacked_func(
     qkv,
     dropout_p=0.0,
@@ -119,6 +192,7 @@ def flash_attn_qkvpacked_func(
                            alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
 
 
+@_flash_errors
 def flash_attn_kvpacked_func(
     q,
     kv,
@@ -137,6 +211,7 @@ def flash_attn_kvpacked_func(
                            alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
 
 
+@_flash_errors
 def flash_attn_varlen_func(
     q,
     k,
@@ -160,18 +235,34 @@ def flash_attn_varlen_func(
     block_table (B, max_pages) int32, k and v are a paged cache (num_pages, page_size, Hkv,
     D[v]) and sequence b's keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions
     (chunked prefill; inference only)."""
+    _check_args(dropout_p, softmax_scale, causal)
     _check_probs(dropout_p, return_attn_probs)
     heads_k = k.shape[-2]
-    result = varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, _int(max_seqlen_q, "max_seqlen_q"),
+    call = functools.partial(
+        varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, _int(max_seqlen_q, "max_seqlen_q"),
         _int(max_seqlen_k, "max_seqlen_k"), dropout_p, is_causal=causal, scale=softmax_scale,
         enable_gqa=q.shape[1] != heads_k, window_size=_window(window_size), softcap=softcap,
         alibi_slopes=alibi_slopes, causal_alignment="bottom_right",
         return_lse=return_attn_probs, block_table=block_table, backend=BACKEND,
     )  # fmt: skip
+    inputs = (q, k, v, alibi_slopes)
+    if (
+        block_table is not None
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in inputs)
+    ):  # flash-attention runs this forward; only a backward through it fails
+        with torch.no_grad():
+            result = call()
+        out = result[0] if return_attn_probs else result
+        out = _ForwardOnly.apply("flash_attn_varlen_func with a block_table", out,
+                                 *(t for t in inputs if t is not None))  # fmt: skip
+        result = (out, result[1]) if return_attn_probs else out
+    else:
+        result = call()
     return _result(result, q, return_attn_probs, transpose=False)
 
 
+@_flash_errors
 def flash_attn_varlen_qkvpacked_func(
     qkv,
     cu_seqlens,
@@ -193,6 +284,7 @@ def flash_attn_varlen_qkvpacked_func(
     )  # fmt: skip
 
 
+@_flash_errors
 def flash_attn_varlen_kvpacked_func(
     q,
     kv,
@@ -218,6 +310,7 @@ def flash_attn_varlen_kvpacked_func(
     )  # fmt: skip
 
 
+@_flash_errors
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -246,6 +339,7 @@ def flash_attn_with_kvcache(
     too when causal or windowed, else every query at cache_seqlens[b] (flash-attention's
     rule); cache_batch_idx (B,) int32: sequence b is row cache_batch_idx[b] of a contiguous
     cache (read and appended in place, as a page of the whole row)."""
+    _check_args(0.0, softmax_scale, causal)
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("appending k and v needs cache_seqlens (where to write them)")

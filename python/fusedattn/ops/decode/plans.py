@@ -8,11 +8,11 @@ strides, dtype, device, requires_grad and 16-byte alignment, every Python argume
 the current CUDA device and the environment switches the call reads (FUSEDATTN_BACKEND under
 `auto`, FUSEDATTN_CHECK_VALUES). A call whose key has a plan runs it: the value checks where
 they apply (the CPU, the reference and torch backends), the outputs' allocation, and the
-launches through the launchers bound at the plan's first call (triton_launch.prepare) — one
+launches through the launchers bound at the plan's first call (core/triton_launch.prepare) — one
 for the append, one for the decode, one for the combine of its key splits (FlashInfer's
 plan/run split, on fusedattn's own key). A new key goes through the full validation once,
 which raises the errors of a bad call as before and builds the plan. Tracing (torch.compile,
-jit.trace) never uses plans: it records the custom ops (decode_ops.py).
+jit.trace) never uses plans: it records the custom ops (custom_ops.py).
 
 Host time of a decode step with its append, Llama-3-8B heads, 1k cache, on the 2-core CPU
 machine with the kernels compiled for sm_90 and the driver launch stubbed
@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import os
 
-from ..checks import check_kvcache_values
-from .plans import Cache, meta, process_state
+from ...checks import check_kvcache_values
+from ..core.kernels import dense
+from ..core.plans import Cache, meta, process_state
+from ..shared import decode_launch
+from ..shared.decode_launch import TritonAppend, TritonDecode, key_mask_bounds
 
 PLANS = Cache("attention_with_kvcache")
 
@@ -52,8 +55,6 @@ class Plan:
 
     def __init__(self, impl, window, scale, softcap, num_splits, return_lse, check_values,
                  seqlens, Tnew: int):  # fmt: skip
-        from . import decode  # the backends live there; this module is imported by it
-
         self.impl = impl
         self.run = impl.run
         self.kwargs = dict(scale=scale, window=window, softcap=float(softcap),
@@ -61,7 +62,7 @@ class Plan:
         self.check_values = check_values
         self.seqlens = seqlens  # the tensor an int cache_seqlens became (read only), or None
         self.Tnew = Tnew
-        self.append = decode.append
+        self.append = decode_launch.append
 
     def lengths(self, cache_seqlens):
         return self.seqlens if self.seqlens is not None else cache_seqlens
@@ -87,9 +88,6 @@ class TritonPlan(Plan):
     def __init__(self, impl, q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad,
                  scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse,
                  check_values, int_seqlens):  # fmt: skip
-        from . import decode
-        from .decode import TritonAppend, TritonDecode, dense
-
         Tnew = 0 if k is None else k.shape[1]
         super().__init__(impl, window, scale, softcap, num_splits, return_lse, check_values,
                          int_seqlens, Tnew)  # fmt: skip
@@ -104,7 +102,9 @@ class TritonPlan(Plan):
             num_splits, seqlen_add=Tnew,
         )  # fmt: skip
         self.triton_append = None
-        if k is not None and decode.append_uses_kernel(k_cache):  # else torch's indexed writes
+        if k is not None and decode_launch.append_uses_kernel(
+            k_cache
+        ):  # else torch's indexed writes
             kk, vv = (k.contiguous() if self.copy_k else k), (v.contiguous() if self.copy_v else v)
             self.triton_append = TritonAppend(k_cache, v_cache, kk, vv, dense(block_table))
 
@@ -127,3 +127,69 @@ class TritonPlan(Plan):
         self.decode(q, k_cache, v_cache, out, lse, seqlens, cache_leftpad, block_table,
                     dense(alibi_slopes), dense(sinks), None, None)  # fmt: skip
         return (out, lse) if self.kwargs["return_lse"] else out
+
+
+# ---- the Hugging Face decode step (decode_with_key_mask) --------------------------------------
+
+MASKED = Cache("attention_with_kvcache")
+
+
+def masked_key(q, k_cache, v_cache, key_mask, sinks, scale, is_causal, window_size, softcap,
+               backend):  # fmt: skip
+    """decode_with_key_mask's plan key, or None (the full path then takes the call)."""
+    try:
+        return (
+            "masked", meta(q), meta(k_cache), meta(v_cache), meta(key_mask), meta(sinks), scale,
+            is_causal, None if window_size is None else tuple(window_size), softcap, backend,
+            *process_state(q, backend),
+        )  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+class MaskedPlan:
+    """A Hugging Face decode step's decisions for one key: the backend, its keyword arguments,
+    and where the keys' bounds come from: the key mask (key_mask_bounds), or every slot (the
+    lengths tensor of the first call, read only)."""
+
+    def __init__(self, impl, window, scale, softcap, masked, seqlens):
+        self.impl, self.run = impl, impl.run
+        self.masked, self.seqlens = masked, seqlens
+        self.kwargs = dict(block_table=None, scale=scale, window=window, softcap=float(softcap),
+                           alibi_slopes=None, num_splits=0, return_lse=False)  # fmt: skip
+
+    def __call__(self, q, k_cache, v_cache, key_mask, sinks):
+        if self.masked:
+            return self.launch(q, k_cache, v_cache, key_mask, sinks, *key_mask_bounds(key_mask))
+        return self.launch(q, k_cache, v_cache, key_mask, sinks, self.seqlens, None)
+
+    def launch(self, q, k_cache, v_cache, key_mask, sinks, seqlens, leftpad):
+        """The step for these lengths (the full path's first call has them already)."""
+        rows = None if key_mask is None else key_mask.view(q.shape[0], k_cache.shape[1])
+        return self.run(q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens,
+                        cache_leftpad=leftpad, key_mask=rows, sinks=sinks, **self.kwargs)  # fmt: skip
+
+
+class TritonMaskedPlan(MaskedPlan):
+    """The Triton backend's: the decode launches built once (TritonDecode, as TritonPlan), the
+    keys' bounds of a padding mask found by the kernel itself (mask_bounds): a padded step
+    launches and allocates what an unpadded one does (benchmarks/bench_host.py's hf rows)."""
+
+    def __init__(self, impl, q, k_cache, v_cache, key_mask, sinks, window, scale, softcap,
+                 masked, seqlens):  # fmt: skip
+        super().__init__(impl, window, scale, softcap, masked, seqlens)
+        self.copy_q = q.stride(-1) != 1
+        q = q.contiguous() if self.copy_q else q
+        self.decode = TritonDecode(q, k_cache, v_cache, None, None, key_mask, None, q.shape[0],
+                                   q.shape[1], scale, window, softcap, None, dense(sinks), 0,
+                                   mask_bounds=masked)  # fmt: skip
+
+    def __call__(self, q, k_cache, v_cache, key_mask, sinks):
+        return self.launch(q, k_cache, v_cache, key_mask, sinks, self.seqlens, None)
+
+    def launch(self, q, k_cache, v_cache, key_mask, sinks, seqlens, leftpad):
+        q = q.contiguous() if self.copy_q else q
+        out, lse = self.decode.outputs(q)
+        self.decode(q, k_cache, v_cache, out, lse, seqlens if not self.masked else None, None,
+                    None, None, dense(sinks), key_mask, None)  # fmt: skip
+        return out

@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from .._build import toolkit
+from ..._build import toolkit
 
 MODULE_NAME = "fusedattn_C"  # the first-use build's module (TORCH_EXTENSION_NAME)
 MODE_ENV = "FUSEDATTN_EXTENSION"
@@ -40,7 +40,7 @@ def source_dir() -> Path | None:
     for root in list(spec.submodule_search_locations or []) if spec else []:
         if (Path(root) / "bindings.cpp").exists():
             return Path(root)
-    repo = Path(__file__).resolve().parents[3] / "csrc"
+    repo = Path(__file__).resolve().parents[4] / "csrc"
     return repo if (repo / "bindings.cpp").exists() else None
 
 

@@ -6,8 +6,9 @@ itself: every tensor argument's shape, strides, dtype, device, requires_grad and
 alignment (what Triton specialises a pointer on), every Python argument, grad mode and the
 process state the op reads (the current CUDA device, the environment switches, TF32). A call
 with a new key takes the op's full path, which raises the errors of a bad call and makes the
-plan. Tracing (torch.compile, jit.trace) never uses plans. Per op: decode_plan.py
-(attention_with_kvcache) and AttentionPlan (ops/attention.py).
+plan. Tracing (torch.compile, jit.trace) never uses plans: `tracing()` says when. This module
+holds the cache and the key's parts; each family's plans are its own (attention/plans.py,
+decode/plans.py, rowwise/plans.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ class Cache:
         self.plans: dict = {}
 
     def get(self, key):
-        plan = None if key is None or _BYPASSED else self.plans.get(key)
+        if key is None or _BYPASSED:
+            return None
+        try:
+            plan = self.plans.get(key)
+        except (TypeError, RuntimeError):  # unhashable, or no plain ==: the full path names it
+            return None
         if plan is not None and backends._REGISTRY[self.op].get(plan.impl.backend) is not plan.impl:
             return None
         return plan
@@ -73,38 +79,16 @@ class Cache:
             return
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
-        self.plans[key] = plan
+        with contextlib.suppress(TypeError, RuntimeError):  # a key get() could not look up
+            self.plans[key] = plan
 
     def clear(self) -> None:
         self.plans.clear()
 
 
-def rowwise_key(x, tensors: tuple, args: tuple, backend: str, op: str):
-    """layer_norm / rms_norm / softmax's plan key (x and the other tensor arguments, the
-    Python arguments), or None for a call plans do not cover (autocast, an argument of a kind
-    they do not key)."""
-    try:
-        if torch.is_autocast_enabled(x.device.type):
-            return None
-        return (op, meta(x), *map(meta, tensors), *args, backend, *process_state(x, backend))
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-
-
-class RowwisePlan:
-    """A row-wise op's decisions for one key: the backend with its keyword arguments, and for a
-    kernel backend with no gradient wanted a forward bound to its compiled kernel (`fast`:
-    norm_kernels.TritonNormForward, rowwise.TritonSoftmaxForward; only where the registered
-    implementation is the module's own, so a wrapped one is still what runs). Calls take the
-    tensors by keyword."""
-
-    def __init__(self, impl, fixed: dict, fast=None):
-        self.impl, self.run, self.fixed, self.fast = impl, impl.run, fixed, fast
-
-    def __call__(self, **tensors):
-        if self.fast is not None:
-            return self.fast(**tensors)
-        return self.run(**tensors, **self.fixed)
-
-
-LAYER_NORM, RMS_NORM, SOFTMAX = Cache("layer_norm"), Cache("rms_norm"), Cache("softmax")
+def tracing() -> bool:
+    """torch.compile or torch.jit.trace is recording: the public ops then skip their plans and
+    the kernel backends call their custom ops, which both record (a jit.trace of the eager
+    path records no kernel launch, and its replay returns the traced call's output for any
+    input)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()

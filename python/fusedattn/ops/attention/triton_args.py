@@ -9,36 +9,11 @@ argument lists for sm_90 without a GPU (`config=` there picks the tiles to scree
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
-from . import triton_launch
-from .rowwise import kernels
-
-
-@functools.cache
-def _cuda_arch(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return 10 * major + minor
-
-
-def device_arch(device: torch.device) -> int:
-    """10 * major + minor of a CUDA device's compute capability (cached: the host path pays a
-    dict lookup); 0 off CUDA."""
-    if device.type != "cuda":
-        return 0
-    return _cuda_arch(torch.cuda.current_device() if device.index is None else device.index)
-
-
-def dot_flags(q: torch.Tensor) -> dict:
-    """fp32 inputs to fp32 accuracy unless the user allowed TF32 (torch.backends); bf16 dots in
-    fp32 in the CPU interpreter (see _dot in the kernels)."""
-    tf32 = q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
-    return dict(
-        PRECISION="tf32" if tf32 else "ieee",
-        DOT_IN_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
-    )
+from ..core import triton_launch
+from ..core.kernels import device_arch, dot_flags, kernels
 
 
 def valid_key_range(key_padding_mask: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:

@@ -1,103 +1,18 @@
 """The softmax of the kernel backends as torch.library custom ops with fake implementations and
 autograd, so torch.compile(fullgraph=True) sees one opaque op per launch (eager calls take the
-same steps as a plain autograd.Function: `softmax` picks), and the helpers every
-kernel launcher shares (outputs, kernel modules, the extension, refusals). One op per step
-serves both backends (`backend` is "triton" or "cuda"), so the autograd and layout glue exist
-once. (Signatures say Optional[...]: torch.library infers the op schema from them, and
-typing.Optional is the spelling every supported torch version reads.) The norms' ops are in
-norm_kernels.py, the attention's in flash_attention.py.
-
-The Triton kernel modules import triton, so they are imported on the first launch: `import
-fusedattn` never imports triton.
+same steps as a plain autograd.Function: `softmax` picks). One op per step serves both
+backends (`backend` is "triton" or "cuda"), so the autograd and layout glue exist once.
+(Signatures say Optional[...]: torch.library infers the op schema from them, and
+typing.Optional is the spelling every supported torch version reads.)
 """
-
-import functools
-import importlib
-import os
-from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import backends, triton_launch
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-POISON_ENV = "FUSEDATTN_POISON_OUTPUTS"
-
-
-@functools.cache
-def poisoned() -> bool:
-    """FUSEDATTN_POISON_OUTPUTS=1, read once (the test suite sets it before any import)."""
-    return os.environ.get(POISON_ENV) == "1"
-
-
-def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.empty, or NaN-filled when FUSEDATTN_POISON_OUTPUTS=1 (the test suite sets it): an
-    element a kernel forgets to write then fails every comparison instead of passing as stale
-    memory that happens to hold the right value."""
-    if poisoned():
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def new_output_like(t: torch.Tensor) -> torch.Tensor:
-    """torch.empty_like (same strides), poisoned like new_output."""
-    out = torch.empty_like(t)
-    return out.fill_(float("nan")) if poisoned() else out
-
-
-@functools.cache
-def kernels(name: str):
-    """fusedattn.triton_kernels.<name>, imported on first use (cached: import_module costs
-    0.5 µs a call on the host path, bench_host.py)."""
-    return importlib.import_module(f"fusedattn.triton_kernels.{name}")
-
-
-def extension():
-    """The CUDA extension: fusedattn._C, or its first-use build (compiled now if needed)."""
-    return backends.extension()
-
-
-def fp32_params(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The CUDA kernels read parameters as contiguous fp32 (n elements: a negligible copy)."""
-    return None if t is None else t.float().contiguous().view(-1)
-
-
-def dense_params(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The Triton kernels read parameters with a unit stride: a strided or expanded (stride 0)
-    weight is copied to its n elements first (a negligible copy next to x)."""
-    return None if t is None else t.contiguous()
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def program_budget(device: torch.device) -> int:
-    """Streaming multiprocessors to size grids by (the interpreter on CPU: a few)."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
-
-
-def dtype_refusals(*tensors: Optional[torch.Tensor], backend: str = "triton") -> list[str]:
-    bad = sorted({str(t.dtype) for t in tensors if t is not None and t.dtype not in KERNEL_DTYPES})
-    if bad:
-        name = "Triton" if backend == "triton" else "CUDA"
-        return [f"the {name} kernels take float16, bfloat16 and float32, got {', '.join(bad)}"]
-    return []
-
-
-def extension_op_refusals(op: str) -> list[str]:
-    """Why fusedattn._C cannot run `op`: built before the op existed. (That it does not load at
-    all is the device-level reason.)"""
-    if backends.EXTENSION_ERROR or op in backends.EXTENSION_OPS:
-        return []
-    return [f"fusedattn._C was built without {op}: rebuild it"]
-
-
-# ---- softmax --------------------------------------------------------------------------------
+from ..core import triton_launch
+from ..core.kernels import extension, kernels
+from ..core.outputs import new_output
+from ..core.plans import tracing
 
 
 def as_4d(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -129,7 +44,7 @@ def _is_view_of(view: torch.Tensor, t: torch.Tensor) -> bool:
 def softmax_fwd(
     x: torch.Tensor,
     dim: int,
-    mask: Optional[torch.Tensor],
+    mask: torch.Tensor | None,
     scale: float,
     is_causal: bool,
     backend: str,
@@ -276,16 +191,9 @@ class TritonSoftmaxForward:
         return y
 
 
-def tracing() -> bool:
-    """torch.compile or torch.jit.trace is recording: the kernel backends then call their custom
-    ops, which both record (a jit.trace of the eager path records no kernel launch, and its
-    replay returns the traced call's output for any input)."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
-
-
 class EagerSoftmax(torch.autograd.Function):
     """softmax_fwd / softmax_bwd for eager calls without torch.library's autograd layer (host
-    time: benchmarks/bench_host.py), as flash_attention.EagerAttention. Once differentiable,
+    time: benchmarks/bench_host.py), as attention/custom_ops.EagerAttention. Once differentiable,
     as the custom op."""
 
     @staticmethod

@@ -30,7 +30,7 @@ OPS = (
     "softmax",
 )
 
-# `auto`'s default order, by device and op, for calls the routing table (ops/auto.py, built
+# `auto`'s default order, by device and op, for calls the routing table (ops/core/auto.py, built
 # from the benchmark CSVs) has no measurement for. On CPU torch's own ops are the fastest
 # correct choice, so a swapped model on CPU is never slower than the unswapped one; the Triton
 # interpreter is for tests and is reached by naming backend="triton". On a GPU torch leads by
@@ -40,7 +40,7 @@ OPS = (
 # Decoding is the exception: the torch backend gathers the cache to a dense copy and masks it
 # (SDPA has no paged or per-sequence-length form), so it reads and writes the K/V at least
 # twice where the split-key Triton kernel reads them once: Triton leads until a decode
-# benchmark says otherwise (build_auto_table.py keys bench_decode.py's rows by ops/auto.py's
+# benchmark says otherwise (build_auto_table.py keys bench_decode.py's rows by ops/core/auto.py's
 # decode buckets).
 AUTO_ORDER = {
     "cuda": {op: ("torch", "triton", "cuda", "reference") for op in OPS}
@@ -80,7 +80,7 @@ def no_refusals(**_inputs) -> list[str]:
 # Probed once at import (neither touches CUDA nor imports triton), so dispatch stays plain
 # attribute reads that torch.compile traces without graph breaks. EXTENSION is the loaded
 # module (ahead-of-time fusedattn._C or a cached first-use build) or None; EXTENSION_ERROR
-# says why not; BUILD_ON_FIRST_USE: backend="cuda" may compile it (see ops/extension.py).
+# says why not; BUILD_ON_FIRST_USE: backend="cuda" may compile it (see ops/core/extension.py).
 EXTENSION, EXTENSION_ORIGIN, EXTENSION_ERROR = extension_loader.probe()
 EXTENSION_OPS = frozenset(EXTENSION.build_info()["ops"]) if EXTENSION else frozenset()
 BUILD_ON_FIRST_USE = EXTENSION is None and extension_loader.cannot_build() is None
@@ -165,7 +165,7 @@ def _format(reasons: list[str]) -> str:
 
 def auto_order(op: str, device: torch.device, inputs: dict) -> tuple[str, ...]:
     """The backends auto tries, in order: those measured fastest for calls like this one on
-    this card (ops/auto.py's table), then the default order for the device."""
+    this card (ops/core/auto.py's table), then the default order for the device."""
     order_of = op
     if op == "varlen_attention" and inputs.get("block_table") is not None:
         order_of = "attention_with_kvcache"  # a paged prefill runs the decode kernel
@@ -198,7 +198,12 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
     """Backends that can run at least one op on `device` (default: cuda if present, else cpu)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device must be a torch.device or a device string, got {device!r}: {e}"
+        ) from e
     return [b for b in BACKENDS if any(not static_refusals(op, b, device) for op in OPS)]
 
 

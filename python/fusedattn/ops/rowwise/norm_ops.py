@@ -7,19 +7,16 @@ and the bias (`rms=True`: mean 0, and the backward loses its mean term). One op 
 serves both backends (`backend` is "triton" or "cuda").
 """
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import triton_launch
-from .rowwise import (
-    dense_params,
-    extension,
-    fp32_params,
-    kernels,
-    new_output,
-    program_budget,
-    tracing,
-)
+from ..core import triton_launch
+from ..core.kernels import dense_params, extension, fp32_params, kernels, program_budget
+from ..core.outputs import new_output
+from ..core.plans import tracing
+from . import torch_backend
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -221,7 +218,7 @@ def _layer_norm_bwd_eager(dy, x, weight, mean, rstd, n, param_grads, backend):
 class EagerLayerNorm(torch.autograd.Function):
     """layer_norm_fwd / layer_norm_bwd for eager calls without torch.library's autograd layer
     (it fills defaults and re-dispatches every argument: host time, benchmarks/bench_host.py),
-    as flash_attention.EagerAttention. Once differentiable, as the custom op."""
+    as attention/custom_ops.EagerAttention. Once differentiable, as the custom op."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, n, eps, backend):
@@ -247,7 +244,7 @@ _wants_autograd = wants_autograd
 class TritonNormForward:
     """The Triton LayerNorm / RMSNorm forward of one call's metadata, no gradient wanted: the
     config, constexprs and scalar arguments worked out once, the launcher bound at the first
-    call (a plan's, plans.RowwisePlan). Takes the same tensors as _forward."""
+    call (a plan's, rowwise/plans.RowwisePlan). Takes the same tensors as _forward."""
 
     def __init__(self, x, n, weight, bias, eps, rms):
         K = kernels("layernorm")
@@ -391,3 +388,22 @@ def rms_norm(x, n, weight, eps, backend):
     if _wants_autograd(x, weight):
         return EagerRMSNorm.apply(x, weight, n, eps, backend)
     return _forward(x, n, weight, None, eps, True, backend)[0]
+
+
+# ---- the kernel backends' runs --------------------------------------------------------------
+
+
+def run_layer_norm(x, normalized_shape, weight, bias, eps, backend):
+    """fusedattn.layer_norm on a kernel backend ("triton" or "cuda")."""
+    n = math.prod(normalized_shape)
+    if n == 0:  # a zero-sized normalized dim: the output is empty; torch's op keeps autograd
+        return torch_backend.layer_norm(x, normalized_shape, weight, bias, eps)
+    return layer_norm(x, n, weight, bias, eps, backend)
+
+
+def run_rms_norm(x, normalized_shape, weight, eps, backend):
+    """fusedattn.rms_norm on a kernel backend, as run_layer_norm."""
+    n = math.prod(normalized_shape)
+    if n == 0:
+        return torch_backend.rms_norm(x, normalized_shape, weight, eps)
+    return rms_norm(x, n, weight, eps, backend)

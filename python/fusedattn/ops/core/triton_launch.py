@@ -173,7 +173,7 @@ def _tail(entry, positional: int, constexprs: dict):
 
 class Prepared:
     """One kernel launch with everything but its tensor arguments fixed, for a caller that
-    keys its own calls finely enough to know the rest is the same (a plan, ops/decode_plan.py:
+    keys its own calls finely enough to know the rest is the same (a plan, ops/decode/plans.py:
     shapes, strides, dtypes, devices, 16-byte alignment and every scalar): a call hands its
     tensors straight to the compiled kernel's launcher, with no binding and no key of its own
     (2.6 µs on the CPU machine against 8.9 through `launch`). Where `launch` could not cache

@@ -10,25 +10,23 @@ torch.compile(fullgraph=True) records a decode step whole and CUDA graphs captur
 
 The value checks (a host read of the lengths and the block table: .tolist()-like, which
 dynamo cannot trace) run inside the ops' real implementations, never in the traced Python.
-Eager calls skip the dispatcher and run the same steps directly (ops/decode.py; `tracing()`
+Eager calls skip the dispatcher and run the same steps directly (api.py; `tracing()`
 picks, as for every fusedattn op). No `from __future__ import annotations` here: torch.library reads
 the signatures' annotations as types.
 """
 
-from typing import Optional
-
 import torch
 
-from ..checks import check_kvcache_values
-from ..masks import Window
-from . import backends
+from ...checks import check_kvcache_values
+from ...masks import Window
+from ..core import backends
+from ..shared.decode_launch import append
 
 
 def append_impl(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
                 check_values: bool) -> None:  # fmt: skip
-    """The values (when asked), then the append (ops/decode.py: one Triton launch on a GPU)."""
-    from .decode import append
-
+    """The values (when asked), then the append (shared/decode_launch.py: one Triton launch on
+    a GPU)."""
     if check_values:
         check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, k.shape[1])
     append(k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -41,8 +39,8 @@ def kvcache_append(
     k: torch.Tensor,
     v: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    block_table: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor],
+    block_table: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
     check_values: bool,
 ) -> None:
     append_impl(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, check_values)
@@ -81,12 +79,12 @@ def kvcache_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seqlens_k: torch.Tensor,
-    block_table: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor],
-    key_mask: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-    scale: Optional[float],
+    block_table: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scale: float | None,
     window_left: int,
     window_right: int,
     softcap: float,
@@ -128,61 +126,5 @@ def record(q, k_cache, v_cache, k, v, seqlens, inputs: dict, check_values: bool,
         inputs["key_mask"], inputs["alibi_slopes"], inputs["sinks"], inputs["scale"],
         window.left, window.right, inputs["softcap"], inputs["num_splits"],
         inputs["return_lse"], check_values, backend,
-    )  # fmt: skip
-    return (out, lse) if inputs["return_lse"] else out
-
-
-@torch.library.custom_op("fusedattn::paged_varlen_attention", mutates_args=())
-def paged_varlen_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    block_table: torch.Tensor,
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: Optional[float],
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    softcap: float,
-    return_lse: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """varlen_attention over a paged cache (inference only): (out (total_q, Hq, Dv), lse
-    (Hq, total_q) fp32 or empty) of the named backend; the reference and torch backends check
-    the values inside, as in eager calls. bottom_right is the window's own (masks.make_window
-    also keeps it for ALiBi without a window, so it is not derived from the bounds here)."""
-    window = Window(window_left, window_right, bottom_right)
-    result = backends._REGISTRY["varlen_attention"][backend].run(
-        q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, scale=scale,
-        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        return_lse=return_lse, block_table=block_table,
-    )  # fmt: skip
-    out, lse = result if return_lse else (result, q.new_empty(0, dtype=torch.float32))
-    return out.contiguous(), lse
-
-
-@paged_varlen_attention.register_fake
-def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sinks,
-      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, bottom_right, softcap,
-      return_lse, backend):  # fmt: skip
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
-    return out, lse
-
-
-def record_paged_varlen(inputs: dict, backend: str):
-    """What varlen_attention with a block table runs while torch.compile records."""
-    window = inputs["window"]
-    out, lse = torch.ops.fusedattn.paged_varlen_attention(
-        inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
-        inputs["block_table"], inputs["alibi_slopes"], inputs["sinks"], inputs["max_seqlen_q"],
-        inputs["max_seqlen_k"], inputs["scale"], window.left, window.right, window.bottom_right,
-        inputs["softcap"], inputs["return_lse"], backend,
     )  # fmt: skip
     return (out, lse) if inputs["return_lse"] else out

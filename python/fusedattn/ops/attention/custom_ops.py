@@ -1,138 +1,37 @@
 """The flash attention of both kernel backends (Triton, CUDA C++) as torch.library custom ops
 with fake implementations and autograd, so torch.compile(fullgraph=True) sees one opaque op
-each way. One op per direction serves both backends (`backend` is "triton" or "cuda"): the
-output layout, the autograd glue and the float-mask gradient exist once. Signatures say
-Optional[...]: torch.library reads typing.Optional on every torch we support.
+each way, and the same steps as a plain autograd.Function for eager calls. One op per
+direction serves both backends (`backend` is "triton" or "cuda"): the output layout, the
+autograd glue and the float-mask gradient exist once; what each backend is handed is
+triton_args.py's and cuda_args.py's. Signatures say Optional[...]: torch.library reads
+typing.Optional on every torch we support.
 """
 
 import functools
 import math
-import os
-from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..masks import NO_WINDOW
-from .attention_launch import TritonAttentionLaunch
-from .rowwise import (
-    KERNEL_DTYPES,
-    extension,
-    extension_op_refusals,
-    new_output,
-    new_output_like,
-    tracing,
-)
-
-MAX_HEAD_DIM = 256
-CUDA_DTYPES = (torch.float16, torch.bfloat16)
-
-# Which backward the CUDA attention runs (the extension's BackwardKernel): "split" is dQ by query
-# block and dK/dV by key block; "fused" one pass per key block with per-split fp32 dQ partials,
-# where it applies (no attn_mask or dropout, padded head dim 64 or 128, the shared memory, and
-# enough (batch, kv head) pairs to fill the GPU with at most 4 splits), else "split". Both are
-# deterministic. "auto" is the launch policy's choice (attention_launch.cuh:
-# fused_backward_by_default, from the H100 timings). Read at every backward, so benchmarks and
-# tests can switch it.
-CUDA_BACKWARD_ENV = "FUSEDATTN_CUDA_BACKWARD"
-CUDA_BACKWARD_KERNELS = {"auto": 0, "split": 1, "fused": 2}
-
-
-def cuda_backward_kernel() -> int:
-    """The extension's BackwardKernel for FUSEDATTN_CUDA_BACKWARD (unset: auto)."""
-    name = os.environ.get(CUDA_BACKWARD_ENV, "").strip() or "auto"
-    if name not in CUDA_BACKWARD_KERNELS:
-        raise ValueError(
-            f"{CUDA_BACKWARD_ENV}={name!r}: expected one of {', '.join(CUDA_BACKWARD_KERNELS)}"
-        )
-    return CUDA_BACKWARD_KERNELS[name]
-
-
-def triton_refusals(*, q, v, alibi_slopes=None, **_inputs) -> list[str]:
-    """Why the Triton attention cannot take these inputs ([] = it can)."""
-    reasons = []
-    if q.dtype not in KERNEL_DTYPES:
-        reasons.append(f"the Triton attention takes float16, bfloat16 and float32, got {q.dtype}")
-    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad:
-        reasons.append("the Triton attention has no gradient for alibi_slopes (detach them)")
-    return reasons
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def cuda_refusals(
-    *, q, k, v, window=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, **_inputs
-) -> list[str]:
-    """Why the CUDA C++ attention cannot take these inputs ([] = it can). fp32 is refused
-    (tensor cores take fp16/bf16; auto then routes fp32 to torch or Triton), and so are the
-    variants its kernels do not have yet (auto routes them to Triton)."""
-    reasons = extension_op_refusals("attention")
-    if window.bounded and not window.is_top_left_causal:
-        reasons.append(
-            f"the CUDA attention has top-left causal only, not the window (left={window.left}, "
-            f"right={window.right}{', bottom-right' if window.bottom_right else ''})"
-        )
-    for name, unused in (("softcap", softcap == 0.0), ("alibi_slopes", alibi_slopes is None),
-                         ("sinks", sinks is None)):  # fmt: skip
-        if not unused:
-            reasons.append(f"the CUDA attention does not take {name} yet")
-    if q.dtype not in CUDA_DTYPES:
-        reasons.append(f"the CUDA attention takes float16 and bfloat16, got {q.dtype}")
-    D, Dv = q.shape[-1], v.shape[-1]
-    if max(D, Dv) > MAX_HEAD_DIM:
-        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={Dv}")
-    if D % 8 or Dv % 8:
-        reasons.append(f"the CUDA attention needs head dims that are multiples of 8 (16-byte "
-                       f"loads), got D={D}, Dv={Dv}")  # fmt: skip
-    if q.is_cuda and _capability(q.device.index or 0) < (8, 0):
-        reasons.append("the CUDA attention needs compute capability 8.0 or newer")
-    return reasons
-
-
-def cuda_varlen_refusals(**inputs) -> list[str]:
-    return ["the CUDA attention has no packed variable-length kernel yet (backend='triton' has)"]
+from ...masks import Window
+from ..core import backends
+from ..core.kernels import extension
+from ..core.outputs import new_output, new_output_like
+from ..core.plans import tracing
+from . import cuda_args
+from .triton_args import TritonAttentionLaunch
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _cuda_aligned(t: torch.Tensor) -> bool:
-    """The CUDA kernels copy 16 bytes at a time: unit last stride, 16-byte aligned base and
-    row/head/batch strides (dims of size 1 are never stepped over)."""
-    if t.numel() == 0:
-        return True
-    strides_ok = all(
-        s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1], strict=True) if n > 1
-    )
-    return t.stride(-1) == 1 and strides_ok and t.data_ptr() % 16 == 0
-
-
 def _kernel_layout(backend: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Views the kernels read as they are; a copy only where they cannot (a non-unit last
     stride; for CUDA, strides or a base that break 16-byte alignment)."""
     if backend == "cuda":
-        return [t if _cuda_aligned(t) else t.contiguous() for t in tensors]
+        return [t if cuda_args.aligned(t) else t.contiguous() for t in tensors]
     return [_unit_last_stride(t) for t in tensors]
-
-
-def _cuda_masks(q, k, attn_mask, key_padding_mask):
-    """(attn_mask, key_padding_mask) as the CUDA kernels read them: the mask as a bool or fp32
-    (B, H, Tq, Tk) broadcast view (a float mask is converted at its own, unexpanded size), the
-    padding mask contiguous."""
-    B, H, Tq, _ = q.shape
-    mask = attn_mask
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            mask = mask.float()
-        mask = mask.expand(B, H, Tq, k.shape[2])
-    kpm = None if key_padding_mask is None else key_padding_mask.contiguous()
-    return mask, kpm
 
 
 def _empty_out(q: torch.Tensor, Dv: int, dtype=None) -> torch.Tensor:
@@ -165,12 +64,12 @@ def attention_fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    key_padding_mask: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-    cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor],
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     window_left: int,
@@ -179,7 +78,7 @@ def attention_fwd_impl(
     scale: float,
     softcap: float,
     dropout_p: float,
-    seed: Optional[torch.Tensor],
+    seed: torch.Tensor | None,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out, lse fp32): (B, Hq, Tq, Dv) and (B, Hq, Tq), or packed (total_q, Hq, Dv) and
@@ -200,7 +99,7 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
     """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
     to reuse. out_dtype: the output's dtype if not q's (Triton: context parallelism keeps a
     block's output in fp32 for the merge). template: a plan's TritonAttentionLaunch for this
-    call's metadata (attention_plan.py), bound to this call's tensors instead of building
+    call's metadata (plans.py), bound to this call's tensors instead of building
     one."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
@@ -211,7 +110,7 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
             return out.zero_(), lse.fill_(float("-inf")), None
         is_causal = window_right == 0 and window_left < 0 and not bottom_right
         extension().attention_fwd(
-            q, k, v, out, lse, *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal,
+            q, k, v, out, lse, *cuda_args.masks(q, k, attn_mask, key_padding_mask), is_causal,
             scale, dropout_p, seed,
         )  # fmt: skip
         return out, lse, None
@@ -255,12 +154,12 @@ def attention_bwd_impl(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    key_padding_mask: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-    cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor],
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     window_left: int,
@@ -269,7 +168,7 @@ def attention_bwd_impl(
     scale: float,
     softcap: float,
     dropout_p: float,
-    seed: Optional[torch.Tensor],
+    seed: torch.Tensor | None,
     mask_grad: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -310,12 +209,12 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask, dsinks
     if backend == "cuda":
-        backward_kernel = cuda_backward_kernel()
+        backward_kernel = cuda_args.cuda_backward_kernel()
         delta = new_output((B, H, Tq), torch.float32, q.device)
         is_causal = window_right == 0 and window_left < 0 and not bottom_right
         extension().attention_bwd(
             do, q, k, v, out, lse, dq, dk, dv, delta, dmask if mask_grad else None,
-            *_cuda_masks(q, k, attn_mask, key_padding_mask), is_causal, scale, dropout_p, seed,
+            *cuda_args.masks(q, k, attn_mask, key_padding_mask), is_causal, scale, dropout_p, seed,
             backward_kernel,
         )  # fmt: skip
         return dq, dk, dv, dmask, dsinks
@@ -477,6 +376,60 @@ def run_varlen(
                     return_lse, backend)  # fmt: skip
 
 
-run_triton = functools.partial(run, backend="triton")
-run_cuda = functools.partial(run, backend="cuda")
-run_triton_varlen = functools.partial(run_varlen, backend="triton")
+# ---- the paged prefill (inference only): one op, whichever backend -----------------------
+
+
+@torch.library.custom_op("fusedattn::paged_varlen_attention", mutates_args=())
+def paged_varlen_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    softcap: float,
+    return_lse: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """varlen_attention over a paged cache (inference only): (out (total_q, Hq, Dv), lse
+    (Hq, total_q) fp32 or empty) of the named backend; the reference and torch backends check
+    the values inside, as in eager calls. bottom_right is the window's own (masks.make_window
+    also keeps it for ALiBi without a window, so it is not derived from the bounds here)."""
+    window = Window(window_left, window_right, bottom_right)
+    result = backends._REGISTRY["varlen_attention"][backend].run(
+        q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, scale=scale,
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        return_lse=return_lse, block_table=block_table,
+    )  # fmt: skip
+    out, lse = result if return_lse else (result, q.new_empty(0, dtype=torch.float32))
+    return out.contiguous(), lse
+
+
+@paged_varlen_attention.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sinks,
+      max_seqlen_q, max_seqlen_k, scale, window_left, window_right, bottom_right, softcap,
+      return_lse, backend):  # fmt: skip
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def record_paged_varlen(inputs: dict, backend: str):
+    """What varlen_attention with a block table runs while torch.compile records."""
+    window = inputs["window"]
+    out, lse = torch.ops.fusedattn.paged_varlen_attention(
+        inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
+        inputs["block_table"], inputs["alibi_slopes"], inputs["sinks"], inputs["max_seqlen_q"],
+        inputs["max_seqlen_k"], inputs["scale"], window.left, window.right, window.bottom_right,
+        inputs["softcap"], inputs["return_lse"], backend,
+    )  # fmt: skip
+    return (out, lse) if inputs["return_lse"] else out

@@ -1,0 +1,177 @@
+"""`fusedattn.attention` and `fusedattn.varlen_attention`: the attention family's public
+functions and their dispatch (validation, the float-mask shift, the plan of an eager call, the
+backend).
+
+The family's files: this one (public functions, the backends' registration), plans.py (the
+eager calls' plans), reference_backend.py, torch_backend.py, triton_backend.py,
+cuda_backend.py (each backend's runs and refusals), custom_ops.py (the kernel backends'
+forward and backward as torch.library ops, autograd, and the paged prefill's op),
+triton_args.py and cuda_args.py (what each kernel backend is handed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...autocast import apply_autocast
+from ...checks import check_attention_args, check_varlen_args
+from ...masks import shift_float_mask, visible_keys
+from ..core import backends
+from ..core.plans import tracing
+from . import cuda_backend, custom_ops, plans, reference_backend, torch_backend, triton_backend
+
+backends.register("attention", "reference", reference_backend.attention, backends.no_refusals)
+backends.register("attention", "torch", torch_backend.attention, torch_backend.refusals)
+backends.register("attention", "triton", triton_backend.attention, triton_backend.refusals)
+backends.register("attention", "cuda", cuda_backend.attention, cuda_backend.refusals)
+backends.register("varlen_attention", "reference", reference_backend.varlen_attention,
+                  backends.no_refusals)  # fmt: skip
+backends.register("varlen_attention", "torch", torch_backend.varlen_attention,
+                  torch_backend.refusals)  # fmt: skip
+backends.register("varlen_attention", "triton", triton_backend.varlen_attention,
+                  triton_backend.refusals)  # fmt: skip
+backends.register("varlen_attention", "cuda", cuda_backend.attention,
+                  cuda_backend.varlen_refusals)  # fmt: skip
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    causal_alignment: str = "top_left",
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Masked multi-head scaled-dot-product attention, SDPA's layout and mask conventions.
+
+    q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv); attn_mask bool (True = may
+    attend) or float (added to the scores), broadcastable to (B, Hq, Tq, Tk);
+    key_padding_mask bool (B, Tk), True = padding key.
+
+    Positions: query i sits at key position p = i (causal_alignment="top_left", SDPA) or
+    p = i + Tk - Tq ("bottom_right", flash-attention / KV-cache decoding); is_causal shows it
+    keys j <= p; window_size=(left, right) keys p - left <= j <= p + right (-1 = unbounded).
+    Scores: s = scale·q·k, softcap·tanh(s / softcap) if softcap > 0, then -slope·|p - j| for
+    alibi_slopes ((Hq,) or (B, Hq) float32), then the float mask. sinks ((Hq,)) adds one
+    logit per head to every row's normaliser. Returns out (B, Hq, Tq, Dv), and lse
+    (B, Hq, Tq) float32 when return_lse=True. A query that sees no key gives 0 output,
+    0 gradients and lse = -inf (the sink with sinks). A float mask's finite values are
+    finite, however large: without sinks each row is shifted by its largest mask entry
+    over the keys it can see (key padding, causal, window) before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
+    with -1e9 or finfo.min on every key gives the softmax of its scores.
+    """
+    plan_key = None
+    if not tracing():  # an eager call of known metadata: its plan
+        plan_key = plans.key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             key_padding_mask, window_size, softcap, alibi_slopes, sinks,
+                             causal_alignment, return_lse, backend)  # fmt: skip
+        plan = plans.PLANS.get(plan_key)
+        if plan is not None:
+            return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks)
+    cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
+    q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
+    window = check_attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        causal_alignment=causal_alignment, return_lse=return_lse,
+    )  # fmt: skip
+    shift = None
+    if attn_mask is not None and sinks is None:  # exact, and a large offset kept exact
+        visible = visible_keys(key_padding_mask, window, q.shape[2], k.shape[2], q.device)
+        attn_mask, shift = shift_float_mask(attn_mask, visible)
+    inputs = dict(
+        q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=float(dropout_p), scale=scale,
+        enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+    impl = backends.select("attention", backend, q.device, inputs)
+    if plan_key is not None:
+        plan = plans.AttentionPlan(impl, inputs)
+        plans.PLANS.remember(plan_key, plan)
+        result = plan.run(inputs)
+    else:
+        result = impl.run(**inputs)
+    if return_lse and shift is not None:
+        out, lse = result
+        return out, lse + shift.float()
+    return result
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    causal_alignment: str = "top_left",
+    return_lse: bool = False,
+    block_table: torch.Tensor | None = None,
+    backend: str = "auto",
+):
+    """Attention over a packed batch of variable-length sequences, no padding computed.
+
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); grouped-query attention
+    (Hq a multiple of Hkv) with enable_gqa=True, as in `attention`; cu_seqlens_q/k int32
+    (B + 1,) prefix sums: sequence b is rows cu[b]:cu[b + 1] (cu[0] = 0, cu[B] = total);
+    max_seqlen_q/k bound every sequence's length. The kernels trust cu_seqlens and max_seqlen
+    (reading them would cost a device sync): as in flash-attention, a cu_seqlens past the
+    packed rows reads out of bounds, a max_seqlen below a length leaves rows unwritten; the
+    reference and torch backends check both. Every option of `attention` (positions per sequence, windows,
+    softcap, ALiBi, sinks, dropout) applies. Returns (total_q, Hq, Dv) [, lse (Hq, total_q)
+    float32]. The reference backend runs one sequence at a time (reading cu_seqlens to the
+    host), the torch backend one SDPA call over the batch padded on the device; the Triton
+    kernels take the packed batch in one launch.
+
+    Paged prefill (chunked prefill, prefix-cache hits, as flash-attention's
+    `flash_attn_varlen_func(..., block_table=...)`): with block_table (B, max_pages) int32, k
+    and v are a paged cache (num_pages, page_size, Hkv, D[v]) and sequence b's keys are its
+    first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cache positions (page p of sequence b is
+    k[block_table[b, p]]; any page size from 1); its queries are the last of them, so
+    is_causal, window_size and alibi_slopes need causal_alignment="bottom_right". Inference
+    only (no dropout, refused where autograd would record). The Triton backend reads the
+    pages in place (the split-key decode kernel with packed queries), the torch and reference
+    backends gather them; values (prefix sums, key counts within the cache's capacity,
+    block-table entries) are checked on the host there, as for attention_with_kvcache.
+    """
+    cast = apply_autocast("attention", dict(q=q, k=k, v=v))
+    q, k, v = cast["q"], cast["k"], cast["v"]
+    window = check_varlen_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+        scale, enable_gqa, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+        block_table=block_table, return_lse=return_lse,
+    )  # fmt: skip
+    inputs = dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+        dropout_p=float(dropout_p), scale=scale, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+    if block_table is not None:
+        inputs["block_table"] = block_table
+    impl = backends.select("varlen_attention", backend, q.device, inputs)
+    if block_table is not None and tracing():  # the whole call as one op (custom_ops.py)
+        return custom_ops.record_paged_varlen(inputs, impl.backend)
+    return impl.run(**inputs)

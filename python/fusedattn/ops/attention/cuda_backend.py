@@ -1,0 +1,54 @@
+"""The cuda backend of `fusedattn.attention`: the CUDA C++ flash attention of fusedattn._C
+(csrc/attention/), forward and backward through the custom ops of custom_ops.py."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...masks import NO_WINDOW
+from ..core.kernels import MAX_HEAD_DIM, extension_op_refusals
+from . import custom_ops
+
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+
+attention = functools.partial(custom_ops.run, backend="cuda")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def refusals(
+    *, q, k, v, window=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, **_inputs
+) -> list[str]:
+    """Why the CUDA C++ attention cannot take these inputs ([] = it can). fp32 is refused
+    (tensor cores take fp16/bf16; auto then routes fp32 to torch or Triton), and so are the
+    variants its kernels do not have yet (auto routes them to Triton)."""
+    reasons = extension_op_refusals("attention")
+    if window.bounded and not window.is_top_left_causal:
+        reasons.append(
+            f"the CUDA attention has top-left causal only, not the window (left={window.left}, "
+            f"right={window.right}{', bottom-right' if window.bottom_right else ''})"
+        )
+    for name, unused in (("softcap", softcap == 0.0), ("alibi_slopes", alibi_slopes is None),
+                         ("sinks", sinks is None)):  # fmt: skip
+        if not unused:
+            reasons.append(f"the CUDA attention does not take {name} yet")
+    if q.dtype not in CUDA_DTYPES:
+        reasons.append(f"the CUDA attention takes float16 and bfloat16, got {q.dtype}")
+    D, Dv = q.shape[-1], v.shape[-1]
+    if max(D, Dv) > MAX_HEAD_DIM:
+        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={Dv}")
+    if D % 8 or Dv % 8:
+        reasons.append(f"the CUDA attention needs head dims that are multiples of 8 (16-byte "
+                       f"loads), got D={D}, Dv={Dv}")  # fmt: skip
+    if q.is_cuda and _capability(q.device.index or 0) < (8, 0):
+        reasons.append("the CUDA attention needs compute capability 8.0 or newer")
+    return reasons
+
+
+def varlen_refusals(**inputs) -> list[str]:
+    return ["the CUDA attention has no packed variable-length kernel yet (backend='triton' has)"]

@@ -1,0 +1,86 @@
+"""Plans of `fusedattn.attention`'s eager calls (core/plans.py says what a plan is): the
+backend, its keyword arguments, the float-mask shift, and for the Triton kernels a launch
+template whose launchers are bound at their first call."""
+
+from __future__ import annotations
+
+import torch
+
+from ...masks import shift_float_mask, visible_keys
+from ..core.plans import Cache, meta, process_state
+from . import custom_ops, triton_backend
+
+PLANS = Cache("attention")
+
+
+def key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+              window_size, softcap, alibi_slopes, sinks, causal_alignment, return_lse,
+              backend):  # fmt: skip
+    """fusedattn.attention's plan key (core/plans.py), or None for a call plans do not cover:
+    under autocast, or with an argument of a kind they do not key (the full path takes it)."""
+    try:
+        if torch.is_autocast_enabled(q.device.type):
+            return None
+        return (
+            meta(q), meta(k), meta(v), meta(attn_mask),
+            meta(key_padding_mask), meta(alibi_slopes), meta(sinks),
+            dropout_p, is_causal, scale, enable_gqa,
+            None if window_size is None else tuple(window_size), softcap, causal_alignment,
+            return_lse, backend, *process_state(q, backend),
+            torch.backends.cuda.matmul.allow_tf32,
+        )  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+class AttentionPlan:
+    """fusedattn.attention's decisions for one key: the backend, its keyword arguments, the
+    float-mask shift, and for the Triton kernels a TritonAttentionLaunch template (its launch
+    arguments worked out once, its launchers bound at their first call, the backward's
+    included: custom_ops._forward)."""
+
+    def __init__(self, impl, inputs: dict):
+        self.impl = impl
+        self.window = inputs["window"]
+        tensors = (inputs[n] for n in ("q", "k", "v", "attn_mask", "key_padding_mask",
+                                       "alibi_slopes", "sinks"))  # fmt: skip
+        self.autograd = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors
+        )
+        self.shift = inputs["attn_mask"] is not None and inputs["sinks"] is None
+        self.kwargs = {n: inputs[n] for n in ("dropout_p", "scale", "enable_gqa", "window",
+                                              "softcap", "return_lse")}  # fmt: skip
+        self.template = None
+        if impl.run is triton_backend.attention:  # the Triton backend's own (not a wrapper of it)
+            self.template = custom_ops.attention_template(
+                inputs["q"], inputs["k"], inputs["v"], inputs["attn_mask"],
+                inputs["key_padding_mask"], inputs["alibi_slopes"], inputs["sinks"],
+                self.window, inputs["scale"], inputs["softcap"], inputs["dropout_p"],
+            )  # fmt: skip
+
+    def run(self, inputs: dict):
+        """One call's inputs (after the shift) through the backend."""
+        if self.template is not None:
+            return self.impl.run(**inputs, template=self.template)
+        return self.impl.run(**inputs)
+
+    def __call__(self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks):
+        shift = None
+        if self.shift:
+            visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
+            attn_mask, shift = shift_float_mask(attn_mask, visible)
+        if self.template is not None:  # straight to the Triton forward, positionally
+            kw = self.kwargs
+            result = custom_ops._forward(
+                q, k, v, attn_mask, key_padding_mask, None, None, 0, 0, kw["dropout_p"],
+                kw["scale"], self.window, kw["softcap"], alibi_slopes, sinks, kw["return_lse"],
+                "triton", self.template, self.autograd,
+            )  # fmt: skip
+        else:
+            result = self.run(dict(q=q, k=k, v=v, attn_mask=attn_mask,
+                                   key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
+                                   sinks=sinks, **self.kwargs))  # fmt: skip
+        if shift is not None and self.kwargs["return_lse"]:
+            out, lse = result
+            return out, lse + shift.float()
+        return result

@@ -1,0 +1,37 @@
+"""The reference backend of `fusedattn.attention` and `fusedattn.varlen_attention`: the naive
+O(T²) twins of fusedattn.reference, called with the public arguments that give back the
+call's window."""
+
+from __future__ import annotations
+
+from ... import reference
+from ...masks import Window
+
+
+def public_window_args(window: Window) -> dict:
+    """The public keywords that give back `window`."""
+    return dict(
+        is_causal=False,
+        window_size=(window.left, window.right),
+        causal_alignment="bottom_right" if window.bottom_right else "top_left",
+    )
+
+
+def attention(
+    q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
+    alibi_slopes, sinks, return_lse,
+):  # fmt: skip
+    return reference.attention(
+        q, k, v, attn_mask, dropout_p, scale=scale, enable_gqa=enable_gqa,
+        key_padding_mask=key_padding_mask, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, return_lse=return_lse, **public_window_args(window),
+    )  # fmt: skip
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                      **kw):  # fmt: skip
+    """reference.varlen_attention (block_table among kw: a paged cache)."""
+    return reference.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        enable_gqa=q.shape[1] != k.shape[-2], **public_window_args(window), **kw,
+    )  # fmt: skip

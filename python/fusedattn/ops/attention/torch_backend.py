@@ -1,0 +1,80 @@
+"""The torch backend of `fusedattn.attention` and `fusedattn.varlen_attention`: torch's SDPA
+(shared/sdpa.py) on the dense call, and on a packed batch one SDPA call over the batch padded
+on the device (a paged cache gathered the same way)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache_layout import paged_positions
+from ...checks import check_kvcache_values, check_varlen_values, paged_key_count
+from ...masks import NO_WINDOW
+from ..core.plans import tracing
+from ..shared import sdpa
+
+attention = sdpa.attention
+refusals = sdpa.refusals
+
+
+def varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, window,
+    return_lse, dropout_p, scale, softcap, sinks, block_table=None,
+):  # fmt: skip
+    """One SDPA call over the batch gathered to (B, H, max_seqlen, D) on the device, no host
+    read of the lengths (torch.compile traces it; it ran one SDPA call per sequence after a
+    .tolist()): each sequence's key range and positions (bottom-right per sequence where the
+    window or ALiBi asks) in one (B, 1, Tq, Tk) mask, the output gathered back to the packed
+    rows. Rows past a sequence gather any row and are masked or dropped. With block_table the
+    keys and values are gathered from the paged cache the same way. Eager calls check the
+    prefix sums, max_seqlen (and the block table) on the host first, as the reference does."""
+    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    lens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    if not tracing():
+        total_k = None if block_table is not None else k.shape[0]
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q,
+                            max_seqlen_k)  # fmt: skip
+        if block_table is not None:
+            check_kvcache_values(lens_k, None, block_table, k, 0, paged_key_count)
+    qd = _padded(q, cu_seqlens_q, max_seqlen_q)
+    if block_table is None:
+        kd, vd = _padded(k, cu_seqlens_k, max_seqlen_k), _padded(v, cu_seqlens_k, max_seqlen_k)
+    else:
+        kd, vd = (
+            paged_positions(k, block_table, max_seqlen_k),
+            paged_positions(v, block_table, max_seqlen_k),
+        )
+    i = torch.arange(max_seqlen_q, device=q.device)[None, :, None]
+    j = torch.arange(max_seqlen_k, device=q.device)[None, None, :]
+    p = i + (lens_k - lens_q)[:, None, None] if window.bottom_right else i  # query positions
+    keep = j < lens_k[:, None, None]  # (B, Tq, Tk)
+    if window.right >= 0:
+        keep = keep & (j <= p + window.right)
+    if window.left >= 0:
+        keep = keep & (j >= p - window.left)
+    mask = keep[:, None]
+    if alibi_slopes is not None:  # float64 inputs keep a float64 bias (as masks.alibi_bias)
+        compute = torch.float64 if q.dtype == torch.float64 else alibi_slopes.dtype
+        slopes = alibi_slopes.to(compute)
+        slopes = slopes.reshape(-1 if slopes.dim() == 2 else 1, q.shape[1], 1, 1)
+        bias = -slopes * (p - j).abs()[:, None].to(compute)
+        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    out = sdpa.attention(
+        qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[-2], None, NO_WINDOW, softcap,
+        None, sinks, False,
+    )  # fmt: skip
+    rows = torch.arange(q.shape[0], device=q.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+    pos = rows - cu_seqlens_q.long()[seq]
+    return out.transpose(1, 2)[seq, pos]  # (total_q, Hq, Dv)
+
+
+def _padded(x: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """Packed (total, H, D) rows -> (B, H, T, D): sequence b's rows first, then any rows (the
+    caller masks them)."""
+    B = cu_seqlens.shape[0] - 1
+    if x.shape[0] == 0:  # zeros, still connected to x for autograd
+        return x.new_zeros(B, x.shape[1], T, x.shape[2]) + x.sum()
+    index = (cu_seqlens[:-1].long()[:, None] + torch.arange(T, device=x.device)).clamp(
+        max=x.shape[0] - 1
+    )
+    return x[index].transpose(1, 2)

@@ -1,0 +1,51 @@
+"""The triton backend of `fusedattn.attention` and `fusedattn.varlen_attention`: the flash
+attention kernels of triton_kernels/attention.py (forward and backward through custom_ops.py,
+launch arguments from triton_args.py), and for the paged prefill the decode kernel with packed
+queries (shared/decode_launch.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..core.kernels import KERNEL_DTYPES, MAX_HEAD_DIM
+from ..core.outputs import new_output
+from ..shared.decode_launch import launch_decode
+from . import custom_ops
+
+attention = functools.partial(custom_ops.run, backend="triton")
+
+
+def refusals(*, q, v, alibi_slopes=None, **_inputs) -> list[str]:
+    """Why the Triton attention cannot take these inputs ([] = it can)."""
+    reasons = []
+    if q.dtype not in KERNEL_DTYPES:
+        reasons.append(f"the Triton attention takes float16, bfloat16 and float32, got {q.dtype}")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        reasons.append("the Triton attention has no gradient for alibi_slopes (detach them)")
+    return reasons
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   scale, window, softcap, alibi_slopes, sinks, return_lse, block_table=None):  # fmt: skip
+    """The Triton varlen attention; over a paged cache the decode kernel's packed-query form
+    (shared/decode_launch.launch_decode): K/V read in place through the block table, never
+    gathered."""
+    if block_table is None:
+        return custom_ops.run_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
+            window, softcap, alibi_slopes, sinks, return_lse, backend="triton",
+        )  # fmt: skip
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = new_output((q.shape[0], q.shape[1], v.shape[-1]), q.dtype, q.device)
+    lse = new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
+    if out.numel():
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        launch_decode(q, k, v, out, lse, lengths, block_table, None, None, cu_seqlens_q,
+                      cu_seqlens_q.shape[0] - 1, max_seqlen_q, scale, window, softcap,
+                      alibi_slopes, sinks, 0)  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -1,0 +1,55 @@
+"""The torch backend of `fusedattn.attention_with_kvcache`: one SDPA call over the cache
+gathered to (B, Hkv, capacity, D), each sequence's keys and positions in the mask (SDPA has no
+per-sequence length or paged form, so the cache is read and written at least twice: the
+Triton kernel reads it once)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache_layout import dense_cache
+from ...masks import NO_WINDOW
+from ..shared import sdpa
+
+refusals = sdpa.refusals  # what SDPA cannot express, as for every attention op
+
+
+def visible_keys(seqlens_k, cache_leftpad, key_mask, Tq: int, capacity: int, window):
+    """((B, 1, Tq, capacity) bool: query i of sequence b may see cache position j, (B, Tq, 1)
+    its position L_b - Tq + i), on the device (no sync)."""
+    j = torch.arange(capacity, device=seqlens_k.device)
+    end = seqlens_k.long()[:, None, None]  # (B, 1, 1)
+    start = 0 if cache_leftpad is None else cache_leftpad.long()[:, None, None]
+    pos = end - Tq + torch.arange(Tq, device=seqlens_k.device)[None, :, None]  # (B, Tq, 1)
+    keep = (j >= start) & (j < end)
+    if key_mask is not None:
+        keep = keep & key_mask[:, None, :capacity]
+    if window.right >= 0:
+        keep = keep & (j <= pos + window.right)
+    if window.left >= 0:
+        keep = keep & (j >= pos - window.left)
+    return keep[:, None], pos
+
+
+def attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale,
+              window, softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+    """SDPA over the whole cache capacity with one (B, 1 or Hq, Tq, capacity) mask: the positions
+    of each sequence differ, so they go in the mask (ALiBi as a float bias, in float64 for
+    float64 inputs: the fp32 slopes' products rounded to fp32 would cost float64 its accuracy)."""
+    B, Tq = q.shape[:2]
+    keys, values = dense_cache(k_cache, block_table, B), dense_cache(v_cache, block_table, B)
+    keep, pos = visible_keys(seqlens_k, cache_leftpad, key_mask, Tq, keys.shape[2], window)
+    padding = ~keep.any(dim=2)[:, 0]  # (B, capacity): keys no query sees, zero-filled by SDPA's
+    mask = keep
+    if alibi_slopes is not None:
+        compute = torch.float64 if q.dtype == torch.float64 else alibi_slopes.dtype
+        slopes = alibi_slopes.to(compute)
+        slopes = slopes.reshape(-1 if slopes.dim() == 2 else 1, q.shape[2], 1, 1)
+        j = torch.arange(keys.shape[2], device=q.device)
+        bias = -slopes * (pos[:, None] - j).abs().to(compute)  # (B or 1, Hq, Tq, cap)
+        mask = bias.masked_fill(~keep, float("-inf"))
+    out = sdpa.attention(
+        q.transpose(1, 2), keys, values, mask, 0.0, scale, q.shape[2] != keys.shape[1], padding,
+        NO_WINDOW, 0.0, None, sinks, False,
+    )  # fmt: skip
+    return out.transpose(1, 2)
