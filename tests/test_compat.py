@@ -11,19 +11,22 @@ import torch
 from fusedattn import reference
 from fusedattn.compat import flash_attn as compat
 
-# flash-attention 2's signatures (flash_attn/flash_attn_interface.py), parameter for parameter
+# flash-attention 2's signatures (flash_attn/flash_attn_interface.py), parameter for parameter,
+# then flash-attention 3's fp8 descales (hopper/flash_attn_interface.py), by keyword
+FA3_DESCALES = ", *, q_descale=None, k_descale=None, v_descale=None)"
 FA2_SIGNATURES = {
     "flash_attn_func": "(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, "
     "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
-    "return_attn_probs=False)",
+    "return_attn_probs=False" + FA3_DESCALES,
     "flash_attn_varlen_func": "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
     "max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
     "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, "
-    "block_table=None)",
+    "block_table=None" + FA3_DESCALES,
     "flash_attn_with_kvcache": "(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, "
     "rotary_sin=None, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, "
     "block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
-    "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
+    "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False"
+    + FA3_DESCALES,
 }
 
 

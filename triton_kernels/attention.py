@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .fp8 import round_to_fp8
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -108,7 +110,8 @@ def attention_config(
     """Tiles for head dims D/Dv (pure; tested). On the CPU interpreter small tiles keep tests
     fast and cross several blocks. elem_bytes: q's element size; arch: the GPU's compute
     capability as 10 * major + minor (0: unknown).
-    - Hopper-class cards (HOPPER_SMEM_ARCHS), 2-byte dtypes, padded head dims 64-128: the tiles
+    - Hopper-class cards (HOPPER_SMEM_ARCHS), 2-byte dtypes (and fp8, untimed: the same tiles
+      with half the shared memory), padded head dims 64-128: the tiles
       scripts/tune_triton_attention.py measured fastest (H100, Triton 3.6, B=4 H=16 T=4096,
       benchmarks/results/h100/tune_triton_attention.csv): forward 128x64 / 8 warps / 3 stages
       (1.10-1.18x the 64x64 tiles at D=128 and 64, causal or not); dq the same at D<=64
@@ -140,7 +143,7 @@ def attention_config(
         # by the sm_90 static screen, which compiles it at 1 stage, and the dense forward and
         # the backward kernels at 2). 16-wide tiles are 2 KB: the pipeline buys little there.
         return AttentionConfig(bd, bdv, fwd=Tiles(64, block_n, 4, 1), dkdv=gpu, dq=gpu)
-    if arch not in HOPPER_SMEM_ARCHS or elem_bytes != 2 or not 64 <= widest <= 128:
+    if arch not in HOPPER_SMEM_ARCHS or elem_bytes not in (1, 2) or not 64 <= widest <= 128:
         return AttentionConfig(bd, bdv, gpu, gpu, gpu)
     wide = Tiles(128, 64, 8, 3)
     if widest == 128:
@@ -486,13 +489,14 @@ def _fwd_scores(
 
 
 @triton.jit
-def _fwd_softmax(s, acc, l_i, m_i):
-    """One tile's online-softmax step: its probabilities p = 2^(s - m) against the new running
-    max m, the running sum l and the accumulator rescaled to m (P·V not yet added)."""
+def _fwd_softmax(s, acc, l_i, m_i, P_SHIFT: tl.constexpr = 0.0):
+    """One tile's online-softmax step: its probabilities p = 2^(s - m + P_SHIFT) against the
+    new running max m, the running sum l and the accumulator rescaled to m (P·V not yet
+    added). P_SHIFT (fp8) scales p by a power of two, folded into the row's subtraction."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s - (m_safe - P_SHIFT)[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, acc * alpha[:, None], l_i, m_new
 
@@ -502,10 +506,12 @@ def _fwd_pv(
     acc, p, V_head, sv_t, start_n, rows, dv, b, hk, bh, k_len, KPM, SEED, skp_b, Dv, Tq, Tk,
     dropout_p, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr = False,
+    INTERPRETED: tl.constexpr = False,
 ):  # fmt: skip
     """acc + P·V for the key tile at start_n (dropout applied to p here: the normaliser keeps
-    the undropped mass)."""
+    the undropped mass). FP8: p rounded to V's float8_e4m3fn for an fp8 product (in the
+    interpreter onto the fp8 grid in fp32 first: its own conversion misrounds)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
         v = V_head.load([b.to(tl.int32), hk.to(tl.int32), start_n, 0])
@@ -519,6 +525,8 @@ def _fwd_pv(
                     other=0.0)  # fmt: skip
     if DROPOUT:
         p = p * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
+    if FP8 and INTERPRETED:
+        p = round_to_fp8(p, False)
     return acc + _dot(p.to(v.dtype), v, PRECISION, DOT_IN_FP32)
 
 
@@ -533,8 +541,9 @@ def _fwd_tiles(
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):  # fmt: skip
-    """The online-softmax update of key tiles [lo, hi).
+    """The online-softmax update of key tiles [lo, hi) (FP8: see attention_fwd).
 
     PIPELINE: tile j's softmax runs in the iteration that issues tile j+1's Q·K^T, and its P·V
     is issued last, so neither product is waited on before the softmax that does not need it.
@@ -564,19 +573,19 @@ def _fwd_tiles(
                     HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32,
                     INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N, BLOCK_D,
                 )  # fmt: skip
-                p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
+                p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
                 acc = _fwd_pv(
                     acc, p, V_head, sv_t, start_n - BLOCK_N, rows, dv, b, hk, bh, k_len, KPM,
                     SEED, skp_b, Dv, Tq, Tk, dropout_p, HAS_KPM, DROPOUT, POSITIONAL,
-                    PRECISION, DOT_IN_FP32, USE_TMA, BLOCK_N, BLOCK_DV,
+                    PRECISION, DOT_IN_FP32, USE_TMA, BLOCK_N, BLOCK_DV, FP8, INTERPRETED,
                 )  # fmt: skip
                 s = s_next
             last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N  # the loop's last start_n
-            p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
+            p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
             acc = _fwd_pv(
                 acc, p, V_head, sv_t, last, rows, dv, b, hk, bh, k_len, KPM, SEED, skp_b, Dv,
                 Tq, Tk, dropout_p, HAS_KPM, DROPOUT, POSITIONAL, PRECISION, DOT_IN_FP32,
-                USE_TMA, BLOCK_N, BLOCK_DV,
+                USE_TMA, BLOCK_N, BLOCK_DV, FP8, INTERPRETED,
             )  # fmt: skip
     else:
         for start_n in range(lo, hi, BLOCK_N):
@@ -588,11 +597,11 @@ def _fwd_tiles(
                 HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
                 MASK_IN_DOT, BLOCK_N, BLOCK_D,
             )  # fmt: skip
-            p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i)
+            p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
             acc = _fwd_pv(
                 acc, p, V_head, sv_t, start_n, rows, dv, b, hk, bh, k_len, KPM, SEED, skp_b,
                 Dv, Tq, Tk, dropout_p, HAS_KPM, DROPOUT, POSITIONAL, PRECISION, DOT_IN_FP32,
-                USE_TMA, BLOCK_N, BLOCK_DV,
+                USE_TMA, BLOCK_N, BLOCK_DV, FP8, INTERPRETED,
             )  # fmt: skip
     return acc, l_i, m_i
 
@@ -600,23 +609,33 @@ def _fwd_tiles(
 @triton.jit
 def attention_fwd(
     Q, K, V, Out, LSE, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q, CU_K,
+    Q_DESCALE, K_DESCALE, V_DESCALE,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
     H, Tq, Tk, D, Dv, group, num_m_blocks, scale, softcap, window_left, window_right,
-    dropout_p,
+    dropout_p, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False, FP8: tl.constexpr = False,
 ):  # fmt: skip
     """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
     D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
     PIPELINE (Tiles.pipeline): the interior loop overlaps each tile's softmax with the tensor
     cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain. MASK_IN_DOT: the
-    attn_mask enters through the dot's accumulator (_fwd_scores)."""
+    attn_mask enters through the dot's accumulator (_fwd_scores).
+
+    FP8 (inference): Q, K, V hold float8_e4m3fn and both products run on fp8 tensor cores. A
+    stored element means stored × descale (Q_DESCALE, K_DESCALE, V_DESCALE: one value per
+    sequence and kv head, or one for all with strides 0): q's and k's fold into the scores'
+    scale, v's into the output. P is rounded to float8_e4m3fn for P·V, as flash-attention 3
+    does, scaled by 2^8 first (P_SHIFT: exp2's argument gains 8, free) so that probabilities
+    down to 2^-17 of the row's maximum keep e4m3's 3 mantissa bits instead of flushing below
+    its 2^-9; the normaliser sums the same scaled p, so the output needs no correction and
+    the lse subtracts 8."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -638,12 +657,19 @@ def attention_fwd(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(SLOPES + b * sal_b + h) * 1.4426950408889634
+    P_SHIFT: tl.constexpr = 8.0 if FP8 else 0.0
+    P_ONE: tl.constexpr = 256.0 if FP8 else 1.0  # 2^P_SHIFT: a sink's scaled probability
+    v_scale = 1.0
+    if FP8:  # stored × descale: q's and k's into the scores' scale, v's into the output
+        scale = scale * tl.load(Q_DESCALE + b * sqd_b + hk * sqd_h)
+        scale = scale * tl.load(K_DESCALE + b * skd_b + hk * skd_h)
+        v_scale = tl.load(V_DESCALE + b * svd_b + hk * svd_h)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:  # the sink joins the normaliser as one more logit of value 0
         sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
         m_i = tl.full([BLOCK_M], 1.0, tl.float32) * sink2
-        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        l_i = tl.full([BLOCK_M], P_ONE, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if USE_TMA:
         K_head = K
@@ -664,9 +690,9 @@ def attention_fwd(
             window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
             dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
             SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
-            PIPELINE and part == 1, MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV,
+            PIPELINE and part == 1, MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8,
         )  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if USE_TMA:  # the copy clips rows past Tq and columns past Dv
         Out.store(
             [b.to(tl.int32), h.to(tl.int32), start_m, 0],
@@ -676,7 +702,7 @@ def attention_fwd(
         tl.store(Out + b * so_b + h * so_h + row_ptr[:, None] * so_t + dv[None, :],
                  out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None] & (dv < Dv)[None, :])  # fmt: skip
     seen = l_i > 0.0
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0)) - P_SHIFT) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
     tl.store(LSE + b * slse_b + h * slse_h + row_ptr, lse, mask=rows < q_len)
 
@@ -925,6 +951,7 @@ def attention_bwd_dq(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINKS: tl.constexpr = False, EXACT_DELTA: tl.constexpr = False,
+    EXACT_DELTA_KEYS: tl.constexpr = 0,
 ):  # fmt: skip
     """dq of one query block, the backward's first kernel: it also computes the block's
     delta (the softmax-backward correction term, rowsum(P ∘ dP)) and stores it, laid out as
@@ -939,7 +966,12 @@ def attention_bwd_dq(
     for the P the backward uses: where one key holds nearly all of a row's mass, dS is a
     small difference, and rowsum(dO ∘ O) carries the output's rounding (bf16: 2^-9 relative;
     fp32 at scale 2: dq 3-6x the naive fp32 error, issue #31) or an unnormalised sum the
-    rounding of lse, both larger than that difference."""
+    rounding of lse, both larger than that difference. EXACT_DELTA_KEYS > 0 (half
+    precision): the exact delta also for a query block that sees at most that many keys (the
+    first blocks of a causal or windowed call), where the extra pass is short and a row's mass
+    most often sits on one or two keys: from the rounded output, the first rows' dq missed
+    flash-attention's own tolerance (its packed-QKV test at T=200, D=32, causal with a
+    window: 1.44x its bound, the worst element in row 1 of 200); see scripts/fa_tolerance.py."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -978,7 +1010,10 @@ def attention_bwd_dq(
         lo, mid_lo, mid_hi, hi = _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b,
                                                      BLOCK_N)  # fmt: skip
     p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if EXACT_DELTA:
+    exact = EXACT_DELTA
+    if not EXACT_DELTA and EXACT_DELTA_KEYS > 0:
+        exact = hi - lo <= EXACT_DELTA_KEYS
+    if exact:
         delta = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_SINKS:  # the sink's probability joins the normaliser (its value is 0)
             p_sum = tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - lse2)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .attention import _dot, _tanh
+from .fp8 import fp8_bits, fp8_to_float
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,11 @@ def _whole_page_tiles(
 @triton.jit
 def attention_decode(
     Q, K, V, OUT, LSE, PART_O, PART_LSE, SEQLENS_K, LEFTPAD, BLOCK_TABLE, SLOPES, SINKS,
-    KEY_MASK, CU_SEQLENS_Q,
+    KEY_MASK, CU_SEQLENS_Q, Q_DESCALE, K_DESCALE, V_DESCALE,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sl_b, sl_h,
     sbt_b, sal_b, skm_b,
     Tq, Hq, Hkv, D, Dv, group, num_m_blocks, num_splits, scale, softcap, window_left,
-    window_right, capacity, num_rows, seqlen_add,
+    window_right, capacity, num_rows, seqlen_add, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
     VARLEN_Q: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -152,6 +153,7 @@ def attention_decode(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_BOUNDS: tl.constexpr = False, MASK_SCAN: tl.constexpr = 1024,
+    Q_FP8: tl.constexpr = 0, CACHE_FP8: tl.constexpr = 0,
 ):  # fmt: skip
     """One (sequence b, kv head hk, query block, key split) program. K strides: (sequence,
     position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
@@ -170,6 +172,12 @@ def attention_decode(
     L2 after the first program of the sequence: S bytes next to the S * Hkv * (D + Dv) * 2 of
     K/V), so a padded decode step launches what an unpadded one does; SEQLENS_K and LEFTPAD are
     then not read.
+
+    CACHE_FP8 (1 float8_e4m3fn, 2 float8_e5m2): K and V hold fp8, one byte an element read
+    as such, each tile converted in registers to q's dtype (exactly: every fp8 value is a
+    bf16, fp16 and fp32 value); a stored element means stored × descale, the descales one
+    value per (sequence, kv head) (strides 0: one value) folded into the scores' scale and
+    the output. Q_FP8 (same codes): q is fp8 too, with Q_DESCALE, computed in bf16.
 
     L_b = SEQLENS_K[b] + seqlen_add (the keys an append in the same step adds: its lengths
     tensor is read as it was, no add on the host). Whatever the values of the lengths and the block table (checked on the host only on
@@ -203,6 +211,13 @@ def attention_decode(
     q_row = q0 + qi.to(tl.int64)
     q = tl.load(Q + b * sq_b + q_row[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    v_scale = 1.0
+    if CACHE_FP8:  # stored × descale: K's into the scores' scale, V's into the output
+        scale = scale * tl.load(K_DESCALE + b * skd_b + hk * skd_h)
+        v_scale = tl.load(V_DESCALE + b * svd_b + hk * svd_h)
+    if Q_FP8:
+        q = fp8_to_float(q, Q_FP8 == 2, INTERPRETED).to(tl.bfloat16)
+        scale = scale * tl.load(Q_DESCALE + b * sqd_b + hk * sqd_h)
     if MASK_BOUNDS:  # the keys run from the mask row's first visible position to its last
         seq_start, seq_end = _mask_bounds(KEY_MASK, b, skm_b, capacity, MASK_SCAN)
     else:
@@ -257,6 +272,8 @@ def attention_decode(
             )  # fmt: skip
             kt = tl.load(K + k_row[None, :] + hk * sk_h + d[:, None],
                          mask=col_ok[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        if CACHE_FP8:
+            kt = fp8_to_float(kt, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
         qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
         if SOFTCAP:
             s = _tanh(qk * (scale / softcap), PRECISION, INTERPRETED) * (
@@ -280,10 +297,12 @@ def attention_decode(
         if not WHOLE_PAGES:
             vt = tl.load(V + v_row[:, None] + hk * sv_h + dv[None, :],
                          mask=col_ok[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+        if CACHE_FP8:
+            vt = fp8_to_float(vt, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION, DOT_IN_FP32)
         m_i = m_new
     seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     if SPLIT:
         part = ((b * Hkv + hk) * num_splits + split) * n_rows + rows
@@ -347,12 +366,12 @@ def decode_combine(
 
 @triton.jit
 def append_kv(
-    K, V, K_CACHE, V_CACHE, SEQLENS, BLOCK_TABLE,
+    K, V, K_CACHE, V_CACHE, SEQLENS, BLOCK_TABLE, K_DESCALE, V_DESCALE,
     sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     skc_b, skc_t, skc_h, svc_b, svc_t, svc_h, sbt_b,
-    Tnew, Hkv, D, Dv, capacity, num_rows,
+    Tnew, Hkv, D, Dv, capacity, num_rows, skd_b, skd_h, svd_b, svd_h,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CACHE_FP8: tl.constexpr = 0,
 ):  # fmt: skip
     """The in-place append of attention_with_kvcache: new key/value row (b, t, h) of k, v
     (B, Tnew, Hkv, D[v]) goes to cache position seqlens[b] + t of sequence b (through
@@ -360,7 +379,10 @@ def append_kv(
     about ten ops (the host time of a decode step). Whatever the values (checked on the host
     only on request), nothing outside the caches, the block table or the lengths is touched:
     positions outside [0, capacity) and pages outside [0, num_rows) are not written, and no
-    block-table entry is read for them."""
+    block-table entry is read for them. CACHE_FP8 (1 float8_e4m3fn, 2 float8_e5m2; the caches
+    passed as their bytes): each value x is written as x / descale rounded to nearest-even,
+    saturating, NaN kept (fp8.fp8_bits: the bits torch's cast gives after
+    fusedattn.fp8.quantize's clamp)."""
     pid = tl.program_id(0)
     h = pid % Hkv
     t = (pid // Hkv) % Tnew
@@ -377,7 +399,10 @@ def append_kv(
         slot = pos
     d = tl.arange(0, BLOCK_D)
     x = tl.load(K + b * sk_b + t * sk_t + h * sk_h + d, mask=d < D)
-    tl.store(K_CACHE + row * skc_b + slot * skc_t + h * skc_h + d, x, mask=ok & (d < D))
     dv = tl.arange(0, BLOCK_DV)
     y = tl.load(V + b * sv_b + t * sv_t + h * sv_h + dv, mask=dv < Dv)
+    if CACHE_FP8:
+        x = fp8_bits(x.to(tl.float32) / tl.load(K_DESCALE + b * skd_b + h * skd_h), CACHE_FP8 == 2)
+        y = fp8_bits(y.to(tl.float32) / tl.load(V_DESCALE + b * svd_b + h * svd_h), CACHE_FP8 == 2)
+    tl.store(K_CACHE + row * skc_b + slot * skc_t + h * skc_h + d, x, mask=ok & (d < D))
     tl.store(V_CACHE + row * svc_b + slot * svc_t + h * svc_h + dv, y, mask=ok & (dv < Dv))

@@ -33,7 +33,10 @@ def apply_autocast(op: str, tensors: dict) -> dict:
     target = autocast_target(op, first.device.type)
     if target is None:
         return tensors
-    return {
-        name: t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for name, t in tensors.items()
-    }
+    return {name: t.to(target) if _castable(t) else t for name, t in tensors.items()}
+
+
+def _castable(t) -> bool:
+    """A floating tensor autocast would cast: not an fp8 one (stored × descale: its values
+    mean something only with their descale)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1

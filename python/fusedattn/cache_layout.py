@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import is_fp8, quantize
+
 
 def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
     """Key positions per sequence: S of a contiguous cache, max_pages * page_size of a paged
@@ -61,14 +63,20 @@ def paged_positions(cache: torch.Tensor, block_table: torch.Tensor, T: int) -> t
     return cache[pages, j % page_size].transpose(1, 2)
 
 
-def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None,
+                    v_descale=None):  # fmt: skip
     """Write k, v (B, Tnew, Hkv, D[v]) into the caches at positions cache_seqlens[b] ..
     cache_seqlens[b] + Tnew - 1 of each sequence, in place (through block_table when paged).
     Indexed writes on the device: no sync; nothing else in the cache is touched. The values
-    were checked first (checks.check_kvcache_values): every index is inside the cache."""
+    were checked first (checks.check_kvcache_values): every index is inside the cache. An
+    fp8 cache gets x / descale rounded to nearest-even, saturating (fusedattn.fp8.quantize;
+    the descale per sequence and KV head, or one value)."""
     B, Tnew = k.shape[:2]
     if Tnew == 0 or B == 0:
         return
+    if is_fp8(k_cache):
+        k = quantize(k, _rows_layout(k_descale), k_cache.dtype)
+        v = quantize(v, _rows_layout(v_descale), v_cache.dtype)
     pos = cache_seqlens.long()[:, None] + torch.arange(Tnew, device=k.device)  # (B, Tnew)
     if block_table is None:
         rows = torch.arange(B, device=k.device)[:, None].expand(B, Tnew)
@@ -79,3 +87,8 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
         page = torch.gather(block_table.long(), 1, pos // page_size)
         k_cache[page, pos % page_size] = k
         v_cache[page, pos % page_size] = v
+
+
+def _rows_layout(descale: torch.Tensor) -> torch.Tensor:
+    """A descale laid out against new rows (B, Tnew, Hkv, D): (B, 1, Hkv, 1), or one value."""
+    return descale.reshape(1) if descale.numel() == 1 else descale[:, None, :, None]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .cache_layout import kvcache_capacity
+from .fp8 import FORWARD_DTYPE, is_fp8
 from .masks import Window, make_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,6 +48,111 @@ def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> 
         raise ValueError(
             f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}"
         )
+
+
+# ---- fp8 --------------------------------------------------------------------------------------
+
+HALF_AND_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_descale(name: str, descale, B: int, Hkv: int, device: torch.device) -> None:
+    """A descale: float32, one value (0-dim or (1,)) or (B, Hkv), on `device`."""
+    check_tensor(name, descale)
+    if descale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {descale.dtype}")
+    if tuple(descale.shape) not in ((), (1,), (B, Hkv)):
+        raise ValueError(
+            f"{name} must be one value (0-dim or (1,)) or (B, Hkv) = ({B}, {Hkv}), got "
+            f"{shape_str(descale.shape)}"
+        )
+    if descale.device != device:
+        raise ValueError(f"{name} must be on {device}, got {descale.device}")
+
+
+def check_descale_values(**descales) -> None:
+    """Every descale positive and finite (a host read: the value checks' policy decides)."""
+    for name, d in descales.items():
+        if d is None:
+            continue
+        values = d.detach().to("cpu")
+        bad = ~(torch.isfinite(values) & (values > 0))
+        if bool(bad.any()):
+            first = values.flatten()[bad.flatten()][0].item()
+            raise ValueError(f"{name} must be positive and finite, got {first}")
+
+
+def check_no_descales(reason: str, **descales) -> None:
+    for name, d in descales.items():
+        if d is not None:
+            raise ValueError(f"{name} is given but {reason}: descales belong to fp8 tensors")
+
+
+def check_fp8_attention(q, k, v, q_descale, k_descale, v_descale, out_dtype, *, B, Hkv,
+                        paged=False) -> bool:  # fmt: skip
+    """The fp8 rules of attention / varlen_attention; True when the call is fp8. Without
+    fp8 inputs no descale and no out_dtype may be given. The forward takes q, k, v all in
+    float8_e4m3fn; a paged cache (varlen_attention with a block table) may be fp8 (either
+    fp8 type) under a bf16/fp16/fp32 q, or under an fp8 q."""
+    fp8 = [n for n, t in (("q", q), ("k", k), ("v", v)) if is_fp8(t)]
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if not fp8:
+        check_no_descales("no input is fp8", **descales)
+        if out_dtype is not None:
+            raise ValueError(f"out_dtype is for fp8 inputs (it picks their output's dtype), got "
+                             f"out_dtype={out_dtype} with q {q.dtype}")  # fmt: skip
+        return False
+    if paged:
+        if not (is_fp8(k) and k.dtype == v.dtype):
+            raise TypeError(f"a paged cache is fp8 in k and v (one fp8 type) or in neither, got "
+                            f"k {k.dtype}, v {v.dtype}")  # fmt: skip
+        if not is_fp8(q) and q.dtype not in HALF_AND_FP32:
+            raise TypeError(f"q must be float16, bfloat16, float32 or fp8, got {q.dtype}")
+    elif any(t.dtype != FORWARD_DTYPE for t in (q, k, v)):
+        raise TypeError(
+            "the fp8 attention takes q, k and v all in torch.float8_e4m3fn (the tensor cores' "
+            f"format), got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    for name, t, d in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
+        if is_fp8(t):
+            if d is None:
+                raise ValueError(f"{name} is {t.dtype}: {name}_descale is required (a stored "
+                                 f"element means stored x {name}_descale)")  # fmt: skip
+            check_descale(f"{name}_descale", d, B, Hkv, q.device)
+        elif d is not None:
+            raise ValueError(f"{name}_descale is given but {name} is {t.dtype}, not fp8")
+    if out_dtype is not None:
+        if out_dtype not in FP8_OUT_DTYPES:
+            raise TypeError(f"out_dtype must be one of {FP8_OUT_DTYPES} (not fp8), got "
+                            f"{out_dtype}")  # fmt: skip
+        if not is_fp8(q):
+            raise ValueError(f"out_dtype is for an fp8 q; the output is q's {q.dtype}")
+    check_inference_only("fp8 attention", dict(q=q, k=k, v=v))
+    return True
+
+
+def check_fp8_kvcache(q, k_cache, v_cache, q_descale, k_descale, v_descale, B, Hkv) -> None:
+    """An fp8 KV cache: k_cache and v_cache of one fp8 type, each with its descale; q in
+    float16, bfloat16 or float32, or in fp8 with q_descale."""
+    if not (is_fp8(k_cache) and v_cache.dtype == k_cache.dtype):
+        raise TypeError(f"k_cache and v_cache must be of one fp8 type (or neither fp8), got "
+                        f"{k_cache.dtype} and {v_cache.dtype}")  # fmt: skip
+    if v_cache.device != q.device or k_cache.device != q.device:
+        raise ValueError(f"k_cache and v_cache must be on q's device {q.device}")
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is None:
+            raise ValueError(f"the cache is {k_cache.dtype}: {name} is required (a stored "
+                             f"element means stored x {name})")  # fmt: skip
+        check_descale(name, d, B, Hkv, q.device)
+    if is_fp8(q):
+        if q_descale is None:
+            raise ValueError(f"q is {q.dtype}: q_descale is required")
+        check_descale("q_descale", q_descale, B, Hkv, q.device)
+    else:
+        if q.dtype not in HALF_AND_FP32:
+            raise TypeError(f"q must be float16, bfloat16, float32 or fp8 over an fp8 cache, "
+                            f"got {q.dtype}")  # fmt: skip
+        check_no_descales(f"q is {q.dtype}", q_descale=q_descale)
 
 
 def check_mask(name: str, mask, target_shape: Sequence[int], device: torch.device) -> None:
@@ -156,18 +262,21 @@ def check_heads(Hq: int, Hkv: int, enable_gqa) -> None:
 def check_attention_args(
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
     *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
-    causal_alignment="top_left", return_lse=False,
+    causal_alignment="top_left", return_lse=False, q_descale=None, k_descale=None,
+    v_descale=None, out_dtype=None,
 ) -> Window:  # fmt: skip
     """Validate the arguments of `fusedattn.attention` (SDPA's layout and mask conventions);
     returns the call's normalised positional window."""
     check_tensor("q", q, dims=4, layout="(B, Hq, Tq, D)")
     check_tensor("k", k, dims=4, layout="(B, Hkv, Tk, D)")
     check_tensor("v", v, dims=4, layout="(B, Hkv, Tk, Dv)")
-    check_float_dtype("q", q)
-    check_same("k", k, "q", q)
-    check_same("v", v, "q", q)
     B, Hq, Tq, D = q.shape
     Bk, Hkv, Tk, Dk = k.shape
+    fp8 = check_fp8_attention(q, k, v, q_descale, k_descale, v_descale, out_dtype, B=B, Hkv=Hkv)
+    if not fp8:
+        check_float_dtype("q", q)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
     Bv, Hv, Tv, _ = v.shape
     if Bk != B or Bv != B:
         raise ValueError(
@@ -201,6 +310,8 @@ def check_attention_args(
                 f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}"
             )
     check_dropout(dropout_p)
+    if fp8 and dropout_p > 0.0:
+        raise ValueError("the fp8 attention is inference only: dropout_p must be 0")
     check_bool("is_causal", is_causal)
     check_bool("return_lse", return_lse)
     check_scale(scale)
@@ -216,7 +327,8 @@ def check_attention_args(
 def check_varlen_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
     scale, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
-    causal_alignment="top_left", block_table=None, return_lse=False,
+    causal_alignment="top_left", block_table=None, return_lse=False, q_descale=None,
+    k_descale=None, v_descale=None, out_dtype=None,
 ) -> Window:  # fmt: skip
     """Validate `fusedattn.varlen_attention` (packed (total, H, D) sequences, or with
     block_table keys and values in a paged cache (num_pages, page_size, Hkv, D)); returns the
@@ -230,11 +342,16 @@ def check_varlen_args(
     else:
         check_tensor("k", k, dims=3, layout="(total_k, Hkv, D)")
         check_tensor("v", v, dims=3, layout="(total_k, Hkv, Dv)")
-    check_float_dtype("q", q)
-    check_same("k", k, "q", q)
-    check_same("v", v, "q", q)
     _, Hq, D = q.shape
     *rows, Hkv, Dk = k.shape
+    fp8 = any(is_fp8(t) for t in (q, k, v))
+    if not fp8:
+        check_float_dtype("q", q)
+    if fp8 and paged:  # an fp8 paged cache may sit under a bf16/fp16/fp32 q
+        check_same("v", v, "k", k)
+    else:
+        check_same("k", k, "q", q)
+        check_same("v", v, "q", q)
     if Dk != D:
         raise ValueError(f"k must have q's head dim {D} in its last dimension, got {Dk}")
     if list(v.shape[:-1]) != [*rows, Hkv]:
@@ -257,6 +374,10 @@ def check_varlen_args(
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
             raise TypeError(f"{name} must be a non-negative int, got {m!r}")
+    check_fp8_attention(q, k, v, q_descale, k_descale, v_descale, out_dtype,
+                        B=cu_seqlens_q.shape[0] - 1, Hkv=Hkv, paged=paged)  # fmt: skip
+    if fp8 and dropout_p:
+        raise ValueError("the fp8 attention is inference only: dropout_p must be 0")
     check_dropout(dropout_p)
     check_bool("is_causal", is_causal)
     check_bool("return_lse", return_lse)
@@ -391,7 +512,8 @@ def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
 
 def check_kvcache_args(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale, is_causal,
-    window_size, softcap, alibi_slopes, sinks, num_splits, return_lse=False,
+    window_size, softcap, alibi_slopes, sinks, num_splits, return_lse=False, q_descale=None,
+    k_descale=None, v_descale=None,
 ) -> tuple[Window, torch.Tensor]:  # fmt: skip
     """Validate `fusedattn.attention_with_kvcache` (flash-attention's layout: sequence before
     heads); returns the normalised positional window (bottom-right) and cache_seqlens as an
@@ -401,11 +523,21 @@ def check_kvcache_args(
     cache_layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, S, Hkv, D)"
     check_tensor("k_cache", k_cache, dims=4, layout=cache_layout)
     check_tensor("v_cache", v_cache, dims=4, layout=cache_layout.replace("D)", "Dv)"))
-    check_float_dtype("q", q)
-    check_same("k_cache", k_cache, "q", q)
-    check_same("v_cache", v_cache, "q", q)
     B, _, Hq, D = q.shape
     rows, slots, Hkv, Dk = k_cache.shape
+    fp8_cache = is_fp8(k_cache) or is_fp8(v_cache)
+    if fp8_cache:
+        check_fp8_kvcache(q, k_cache, v_cache, q_descale, k_descale, v_descale, B, Hkv)
+    else:
+        check_no_descales(f"the cache is {k_cache.dtype}", k_descale=k_descale,
+                          v_descale=v_descale)  # fmt: skip
+        if is_fp8(q):
+            raise TypeError(f"q is {q.dtype}: an fp8 q reads an fp8 cache (k_cache is "
+                            f"{k_cache.dtype})")  # fmt: skip
+        check_no_descales(f"q is {q.dtype}", q_descale=q_descale)
+        check_float_dtype("q", q)
+        check_same("k_cache", k_cache, "q", q)
+        check_same("v_cache", v_cache, "q", q)
     if Dk != D:
         raise ValueError(f"k_cache must have q's head dim {D} in its last dimension, got {Dk}")
     if tuple(v_cache.shape[:3]) != (rows, slots, Hkv):
@@ -459,8 +591,16 @@ def check_kvcache_args(
     if k is not None:
         check_tensor("k", k, dims=4, layout="(B, Tnew, Hkv, D)")
         check_tensor("v", v, dims=4, layout="(B, Tnew, Hkv, Dv)")
-        check_same("k", k, "q", q)
-        check_same("v", v, "q", q)
+        if fp8_cache:  # the new rows are quantized into the cache
+            for name, t in (("k", k), ("v", v)):
+                if t.dtype not in HALF_AND_FP32:
+                    raise TypeError(f"{name} (written into an fp8 cache) must be float16, "
+                                    f"bfloat16 or float32, got {t.dtype}")  # fmt: skip
+                if t.device != q.device:
+                    raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+        else:
+            check_same("k", k, "q", q)
+            check_same("v", v, "q", q)
         want_k = (B, k.shape[1], Hkv, D)
         want_v = (B, k.shape[1], Hkv, v_cache.shape[-1])
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
@@ -493,14 +633,17 @@ def paged_key_count(b: int) -> str:
 
 
 def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tnew: int,
-                         length_of=lambda b: f"cache_seqlens[{b}]") -> None:  # fmt: skip
+                         length_of=lambda b: f"cache_seqlens[{b}]", descales=None) -> None:  # fmt: skip
     """The values of attention_with_kvcache's lengths and block table, before anything is
     written: cache_seqlens[b] in [0, capacity - Tnew] (room for the new keys), cache_leftpad[b]
     in [0, cache_seqlens[b] + Tnew] (the first of the sequence's keys), and every block-table
     entry of the pages a sequence reads or writes in [0, num_pages). Reads them to the host:
     a device sync on a GPU (the CPU, the reference and torch backends always pay it; the
     Triton kernels on a GPU only with FUSEDATTN_CHECK_VALUES=1, they never leave the cache's
-    bounds whatever the values). ValueError naming the first bad entry."""
+    bounds whatever the values). ValueError naming the first bad entry. descales: {name:
+    tensor or None} of an fp8 call, each positive and finite."""
+    if descales:
+        check_descale_values(**descales)
     capacity = kvcache_capacity(k_cache, block_table)
     seqlens = cache_seqlens.detach().to("cpu", torch.int64)
     bad = ((seqlens < 0) | (seqlens > capacity - Tnew)).nonzero()

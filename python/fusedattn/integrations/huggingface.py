@@ -22,7 +22,10 @@ fusedattn's arguments:
 - a generation step (one new token per sequence, no gradient, a bool mask or none) -> the
   split-key decode kernels of `attention_with_kvcache`, over HF's dynamic or static cache
   read in place; each sequence's keys run from its first visible position to its last, so a
-  static cache's unused slots are never read.
+  static cache's unused slots are never read;
+- `k_descale`, `v_descale` (put there by fusedattn's fp8 caches, huggingface_fp8.py: the keys
+  and values come as the fp8 storage) -> read as fp8 by the decode kernels; every other call
+  dequantizes them first.
 
 Any other keyword with a value raises a ValueError naming it, so that nothing the model asks
 for is silently dropped.
@@ -34,11 +37,13 @@ import functools
 
 import torch
 
+from .. import fp8
 from ..ops import attention, varlen_attention
 from ..ops.core import backends
 from ..ops.decode.api import decode_with_key_mask
 
 NAME = "fusedattn"
+REGISTERED: set[str] = set()  # the attn_implementation names register() gave fusedattn
 
 # Keywords transformers passes whose information is already in q, k, v and the mask.
 ALREADY_APPLIED = frozenset(
@@ -107,12 +112,17 @@ def attention_forward(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | torch.Tensor | None = None,
     max_length_k: int | torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     backend: str = "auto",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) ->
     (out (B, Tq, Hq, Dv), None). Attention weights are not returned (as with "sdpa")."""
     _check_keywords(kwargs)
+    descales = None
+    if k_descale is not None or v_descale is not None or fp8.is_fp8(key):
+        descales = _fp8_cache(query, key, value, k_descale, v_descale)
     # As transformers' SDPA path: the module (or the call) says whether it is a decoder.
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     variants = dict(softcap=float(softcap or 0.0), sinks=s_aux, scale=scaling, backend=backend)
@@ -120,6 +130,9 @@ def attention_forward(
     if sliding_window is not None and causal:
         window = (int(sliding_window) - 1, 0)
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        if descales is not None:
+            key = fp8.dequantize_heads(key, descales[0], query.dtype)
+            value = fp8.dequantize_heads(value, descales[1], query.dtype)
         return _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
                        max_length_k, dropout, causal, window, variants)  # fmt: skip
     Tq = query.shape[2]
@@ -140,7 +153,11 @@ def attention_forward(
             else position_bias + attention_mask
         )  # fmt: skip
     if _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend):
-        return _decode_step(query, key, value, attention_mask, causal, window, variants)
+        return _decode_step(query, key, value, attention_mask, causal, window, variants,
+                            descales)  # fmt: skip
+    if descales is not None:  # the fp8 storage of a cache, read dequantized by this path
+        key = fp8.dequantize_heads(key, descales[0], query.dtype)
+        value = fp8.dequantize_heads(value, descales[1], query.dtype)
     if mask_holds_pattern:
         # HF's mask holds the whole pattern (causal, window, padding), placed as HF placed it;
         # a position bias alone is no pattern (causality stays, as in transformers' sdpa path).
@@ -151,6 +168,22 @@ def attention_forward(
         causal_alignment="bottom_right", **variants,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def _fp8_cache(query, key, value, k_descale, v_descale):
+    """The descales of an fp8 cache's storage, checked: both caches fp8 with both descales."""
+    if not (fp8.is_fp8(key) and fp8.is_fp8(value)) or k_descale is None or v_descale is None:
+        raise ValueError(
+            "k_descale and v_descale come with fp8 keys and values (fusedattn's fp8 caches "
+            f"pass all four), got key {key.dtype}, value {value.dtype}, k_descale "
+            f"{'given' if k_descale is not None else 'None'}, v_descale "
+            f"{'given' if v_descale is not None else 'None'}"
+        )
+    if fp8.is_fp8(query):
+        raise ValueError(
+            f"the query must be bf16, fp16 or fp32 over an fp8 cache, got {query.dtype}"
+        )
+    return k_descale, v_descale
 
 
 def _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) -> bool:
@@ -176,7 +209,7 @@ def _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) 
     return name != "torch" and name in backends._REGISTRY["attention_with_kvcache"]
 
 
-def _decode_step(query, key, value, attention_mask, causal, window, variants):
+def _decode_step(query, key, value, attention_mask, causal, window, variants, descales):
     """A generation step over the whole KV cache HF hands over (dynamic: the keys so far;
     static: max_cache_len slots): the mask's one query row says which positions the token
     sees (left padding, unfilled static slots, a window), so the kernels read each sequence's
@@ -195,9 +228,11 @@ def _decode_step(query, key, value, attention_mask, causal, window, variants):
         # The row is the whole pattern, sliding window included, and a sliding layer's static
         # cache may hold its slots out of position order: no positional rule on top of it.
         window = None
+    k_descale, v_descale = (None, None) if descales is None else descales
     out = decode_with_key_mask(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), visible,
-        is_causal=causal, window_size=window, **variants,
+        is_causal=causal, window_size=window, k_descale=k_descale, v_descale=v_descale,
+        **variants,
     )  # fmt: skip
     return out.contiguous(), None
 
@@ -226,4 +261,5 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
 
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
     AttentionMaskInterface.register(name, build_mask)
+    REGISTERED.add(name)
     return name

@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from ..cache_layout import packed_rows
 from ..checks import (
     check_attention_args,
+    check_descale_values,
     check_kvcache_values,
     check_varlen_args,
     check_varlen_values,
     paged_key_count,
 )
+from ..fp8 import dequantize_heads, dequantize_packed, is_fp8, output_dtype
 from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
 from .softmax import safe_softmax
 
@@ -81,9 +83,13 @@ def log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
 def attention(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
     key_padding_mask=None, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
-    causal_alignment="top_left", return_lse=False,
+    causal_alignment="top_left", return_lse=False, q_descale=None, k_descale=None,
+    v_descale=None, out_dtype=None,
 ):  # fmt: skip
     """softmax(scores)·v with SDPA's conventions and every variant; see `fusedattn.attention`.
+
+    fp8 q, k, v (with their descales) are dequantized to float32 first and the output is
+    out_dtype (bfloat16 by default).
 
     With sinks, each head's sink logit joins the row's normaliser (a column whose value is
     0). A query row with no visible key gives 0 output, 0 gradients and lse = -inf (the sink
@@ -95,8 +101,20 @@ def attention(
     window = check_attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        causal_alignment=causal_alignment, return_lse=return_lse,
+        causal_alignment=causal_alignment, return_lse=return_lse, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )  # fmt: skip
+    if is_fp8(q):
+        dtype = output_dtype(q, out_dtype)
+        q, k, v = (dequantize_heads(t, d) for t, d in ((q, q_descale), (k, k_descale),
+                                                         (v, v_descale)))  # fmt: skip
+        result = attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+            return_lse=return_lse,
+        )  # fmt: skip
+        return (result[0].to(dtype), result[1]) if return_lse else result.to(dtype)
     if key_padding_mask is not None:  # a padded key never contributes, even a NaN in it
         pad = key_padding_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)  # k too: dq sums dS * k
@@ -127,21 +145,38 @@ def attention(
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     is_causal=False, scale=None, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None,
-    sinks=None, causal_alignment="top_left", return_lse=False, block_table=None,
+    sinks=None, causal_alignment="top_left", return_lse=False, block_table=None, q_descale=None,
+    k_descale=None, v_descale=None, out_dtype=None,
 ):  # fmt: skip
     """Packed variable-length attention, one sequence at a time through `attention`; see
     `fusedattn.varlen_attention`. With block_table, k and v are a paged cache: sequence b's
     keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions, gathered page by page
-    (the values checked first). Returns (total_q, Hq, Dv) [, lse (Hq, total_q) fp32]."""
+    (the values checked first). fp8 inputs are dequantized to float32 (a paged cache after
+    its gather: each sequence's descale). Returns (total_q, Hq, Dv) [, lse (Hq, total_q)
+    fp32]."""
     check_varlen_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
         scale, enable_gqa, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-        block_table=block_table, return_lse=return_lse,
+        block_table=block_table, return_lse=return_lse, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )  # fmt: skip
     if block_table is not None:
         k, v = gather_pages(k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_q,
                             max_seqlen_k, block_table)  # fmt: skip
+    if is_fp8(k):
+        check_descale_values(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        dtype = output_dtype(q, out_dtype)
+        q = dequantize_packed(q, q_descale, cu_seqlens_q) if is_fp8(q) else q.float()
+        k = dequantize_packed(k, k_descale, cu_seqlens_k)
+        v = dequantize_packed(v, v_descale, cu_seqlens_k)
+        result = varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            is_causal, scale, enable_gqa, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+            return_lse=return_lse,
+        )  # fmt: skip
+        return (result[0].to(dtype), result[1]) if return_lse else result.to(dtype)
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         alibi_slopes, return_lse,

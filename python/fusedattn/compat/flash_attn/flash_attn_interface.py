@@ -17,6 +17,10 @@ rotary_interleaved) and `cache_batch_idx`. What fusedattn cannot honour raises a
 naming it: rotary embedding together with cache_leftpad, cache_batch_idx together with a
 block_table. fp32 inputs, which flash-attention refuses, are accepted.
 
+FP8 as flash-attention 3 takes it: `q_descale`, `k_descale`, `v_descale` (keyword-only here,
+float32 (B, Hkv) or one value) with q, k, v in float8_e4m3fn (the output bfloat16), or with
+an fp8 KV cache in `flash_attn_with_kvcache` and a paged `flash_attn_varlen_func`.
+
 `BACKEND` ("auto" by default, or FUSEDATTN_BACKEND) picks fusedattn's backend for every call.
 """
 
@@ -160,16 +164,22 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """q (B, Tq, Hq, D), k (B, Tk, Hkv, D), v (B, Tk, Hkv, Dv) -> out (B, Tq, Hq, Dv)
-    [, softmax_lse (B, Hq, Tq), S_dmask]; see the module docstring."""
+    [, softmax_lse (B, Hq, Tq), S_dmask]; see the module docstring. fp8 q, k, v with
+    flash-attention 3's descales (the output bfloat16)."""
     _check_args(dropout_p, softmax_scale, causal)
     _check_probs(dropout_p, return_attn_probs)
     result = attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
         is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
         window_size=_window(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
-        causal_alignment="bottom_right", return_lse=return_attn_probs, backend=BACKEND,
+        causal_alignment="bottom_right", return_lse=return_attn_probs, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, backend=BACKEND,
     )  # fmt: skip
     return _result(result, q, return_attn_probs, transpose=True)
 
@@ -229,6 +239,10 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Packed q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with int32
     cu_seqlens (B + 1,) -> out (total_q, Hq, Dv) [, softmax_lse (Hq, total_q), S_dmask]. With
@@ -243,7 +257,8 @@ def flash_attn_varlen_func(
         _int(max_seqlen_k, "max_seqlen_k"), dropout_p, is_causal=causal, scale=softmax_scale,
         enable_gqa=q.shape[1] != heads_k, window_size=_window(window_size), softcap=softcap,
         alibi_slopes=alibi_slopes, causal_alignment="bottom_right",
-        return_lse=return_attn_probs, block_table=block_table, backend=BACKEND,
+        return_lse=return_attn_probs, block_table=block_table, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, backend=BACKEND,
     )  # fmt: skip
     inputs = (q, k, v, alibi_slopes)
     if (
@@ -331,6 +346,10 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """fusedattn.attention_with_kvcache under flash-attention's name and argument order, run
     without autograd (as flash-attention's, which has no backward). cache_seqlens=None means
@@ -360,7 +379,8 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             cache_leftpad=cache_leftpad, scale=softmax_scale, is_causal=causal,
             window_size=_window(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
-            num_splits=num_splits, return_lse=return_softmax_lse, backend=BACKEND,
+            num_splits=num_splits, return_lse=return_softmax_lse, q_descale=q_descale,
+            k_descale=k_descale, v_descale=v_descale, backend=BACKEND,
         )  # fmt: skip
     if return_softmax_lse:
         return result[0], _flash_lse(result[1])

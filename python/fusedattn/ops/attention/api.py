@@ -15,6 +15,7 @@ import torch
 
 from ...autocast import apply_autocast
 from ...checks import check_attention_args, check_varlen_args
+from ...fp8 import is_fp8, output_dtype
 from ...masks import shift_float_mask, visible_keys
 from ..core import backends
 from ..core.plans import tracing
@@ -51,6 +52,10 @@ def attention(
     sinks: torch.Tensor | None = None,
     causal_alignment: str = "top_left",
     return_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     backend: str = "auto",
 ):
     """Masked multi-head scaled-dot-product attention, SDPA's layout and mask conventions.
@@ -70,21 +75,33 @@ def attention(
     finite, however large: without sinks each row is shifted by its largest mask entry
     over the keys it can see (key padding, causal, window) before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
     with -1e9 or finfo.min on every key gives the softmax of its scores.
+
+    FP8 (inference): q, k, v in torch.float8_e4m3fn with q_descale, k_descale, v_descale
+    (float32, (B, Hkv) or one value: a stored element means stored × descale); the products
+    on fp8 tensor cores, the output in out_dtype (bfloat16 by default; float16 or float32),
+    the lse in float32. P is rounded to float8_e4m3fn for the P·V product, as
+    flash-attention 3 does (its error: docs/api.md). Refused where a gradient would be
+    needed, and with dropout.
     """
     plan_key = None
+    fp8 = q_descale is not None or out_dtype is not None
     if not tracing():  # an eager call of known metadata: its plan
         plan_key = plans.key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              key_padding_mask, window_size, softcap, alibi_slopes, sinks,
                              causal_alignment, return_lse, backend)  # fmt: skip
+        if fp8 or k_descale is not None or v_descale is not None:
+            plan_key = plans.fp8_key(plan_key, q_descale, k_descale, v_descale, out_dtype)
         plan = plans.PLANS.get(plan_key)
         if plan is not None:
-            return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks)
+            return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks,
+                        (q_descale, k_descale, v_descale))  # fmt: skip
     cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
     q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
     window = check_attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        causal_alignment=causal_alignment, return_lse=return_lse,
+        causal_alignment=causal_alignment, return_lse=return_lse, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )  # fmt: skip
     shift = None
     if attn_mask is not None and sinks is None:  # exact, and a large offset kept exact
@@ -95,6 +112,9 @@ def attention(
         enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
     )  # fmt: skip
+    if is_fp8(q):
+        inputs.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      out_dtype=output_dtype(q, out_dtype))  # fmt: skip
     impl = backends.select("attention", backend, q.device, inputs)
     if plan_key is not None:
         plan = plans.AttentionPlan(impl, inputs)
@@ -128,6 +148,10 @@ def varlen_attention(
     causal_alignment: str = "top_left",
     return_lse: bool = False,
     block_table: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     backend: str = "auto",
 ):
     """Attention over a packed batch of variable-length sequences, no padding computed.
@@ -154,6 +178,11 @@ def varlen_attention(
     pages in place (the split-key decode kernel with packed queries), the torch and reference
     backends gather them; values (prefix sums, key counts within the cache's capacity,
     block-table entries) are checked on the host there, as for attention_with_kvcache.
+
+    FP8: q, k, v in torch.float8_e4m3fn as in `attention` (descales per sequence and KV
+    head); a paged cache in either fp8 type (k_descale, v_descale) under a bfloat16, float16
+    or float32 q (the output in q's dtype) or an fp8 q (q_descale; the output bfloat16 or
+    out_dtype), as attention_with_kvcache reads it.
     """
     cast = apply_autocast("attention", dict(q=q, k=k, v=v))
     q, k, v = cast["q"], cast["k"], cast["v"]
@@ -161,7 +190,8 @@ def varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
         scale, enable_gqa, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-        block_table=block_table, return_lse=return_lse,
+        block_table=block_table, return_lse=return_lse, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )  # fmt: skip
     inputs = dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -171,6 +201,9 @@ def varlen_attention(
     )  # fmt: skip
     if block_table is not None:
         inputs["block_table"] = block_table
+    if is_fp8(k):  # out_dtype: an fp8 q's output (a paged fp8 cache under q keeps q's)
+        inputs.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      out_dtype=output_dtype(q, out_dtype) if is_fp8(q) else None)  # fmt: skip
     impl = backends.select("varlen_attention", backend, q.device, inputs)
     if block_table is not None and tracing():  # the whole call as one op (custom_ops.py)
         return custom_ops.record_paged_varlen(inputs, impl.backend)

@@ -9,10 +9,12 @@ typing.Optional on every torch we support.
 
 import functools
 import math
+import os
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from ...checks import check_descale_values
 from ...masks import Window
 from ..core import backends
 from ..core.kernels import extension
@@ -95,12 +97,12 @@ def attention_fwd_impl(
 def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
                        bottom_right, scale, softcap, dropout_p, seed, backend,
-                       out_dtype=None, template=None):  # fmt: skip
+                       out_dtype=None, template=None, descales=None):  # fmt: skip
     """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
     to reuse. out_dtype: the output's dtype if not q's (Triton: context parallelism keeps a
     block's output in fp32 for the merge). template: a plan's TritonAttentionLaunch for this
     call's metadata (plans.py), bound to this call's tensors instead of building
-    one."""
+    one. descales: (q_descale, k_descale, v_descale) of an fp8 call (Triton only)."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
     out = _empty_out_like(q, v.shape[-1], varlen, out_dtype)
@@ -121,7 +123,7 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
         L = TritonAttentionLaunch(
             q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
             cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
-            scale, softcap, dropout_p, seed,
+            scale, softcap, dropout_p, seed, descales=descales,
         )  # fmt: skip
     lse = new_output(L.lse_shape, torch.float32, q.device)
     if out.numel() == 0 or L.B * L.query_blocks("fwd") == 0:
@@ -347,11 +349,86 @@ def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, m
 
 def run(
     q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
-    alibi_slopes, sinks, return_lse, *, backend, template=None,
+    alibi_slopes, sinks, return_lse, *, backend, template=None, q_descale=None, k_descale=None,
+    v_descale=None, out_dtype=None,
 ):  # fmt: skip
-    """The `triton` and `cuda` backends of fusedattn.attention."""
+    """The `triton` and `cuda` backends of fusedattn.attention (fp8: the Triton kernels)."""
+    if out_dtype is not None:
+        return forward_fp8(q, k, v, attn_mask, key_padding_mask, None, None, 0, 0, scale, window,
+                           softcap, alibi_slopes, sinks, return_lse,
+                           (q_descale, k_descale, v_descale), out_dtype)  # fmt: skip
     return _forward(q, k, v, attn_mask, key_padding_mask, None, None, 0, 0, dropout_p, scale,
                     window, softcap, alibi_slopes, sinks, return_lse, backend, template)  # fmt: skip
+
+
+def forward_fp8(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, scale, window, softcap, alibi_slopes, sinks, return_lse, descales,
+                out_dtype):  # fmt: skip
+    """The fp8 forward on the Triton kernels (inference only: no autograd node; checked by
+    fusedattn.checks): the custom op while torch.compile records, the launch otherwise. The
+    descales' values are checked where the values of a call are (the CPU; a GPU with
+    FUSEDATTN_CHECK_VALUES=1)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if tracing():
+        out, lse = torch.ops.fusedattn.attention_fp8_fwd(
+            q, k, v, *descales, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, window.left, window.right,
+            window.bottom_right, scale, softcap, out_dtype,
+        )  # fmt: skip
+    else:
+        if not q.is_cuda or os.environ.get("FUSEDATTN_CHECK_VALUES") == "1":
+            check_descale_values(q_descale=descales[0], k_descale=descales[1],
+                                 v_descale=descales[2])  # fmt: skip
+        out, lse, _ = _attention_forward(
+            q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, window.left, window.right,
+            window.bottom_right, scale, softcap, 0.0, None, "triton", out_dtype=out_dtype,
+            descales=descales,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("fusedattn::attention_fp8_fwd", mutates_args=())
+def attention_fp8_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    scale: float,
+    softcap: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 forward (out in out_dtype, lse fp32); no autograd (inference only)."""
+    out, lse, _ = _attention_forward(
+        q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
+        0.0, None, "triton", out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
+    )  # fmt: skip
+    return out, lse
+
+
+@attention_fp8_fwd.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, attn_mask, key_padding_mask, alibi_slopes, sinks,
+      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+      bottom_right, scale, softcap, out_dtype):  # fmt: skip
+    if cu_seqlens_q is not None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=out_dtype)
+        return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    B, H, Tq, _ = q.shape
+    return _empty_out(q, v.shape[-1], out_dtype), q.new_empty(B, H, Tq, dtype=torch.float32)
 
 
 def attention_template(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, window, scale,
@@ -368,9 +445,13 @@ def attention_template(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
 
 def run_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, window,
-    softcap, alibi_slopes, sinks, return_lse, *, backend,
+    softcap, alibi_slopes, sinks, return_lse, *, backend, descales=None, out_dtype=None,
 ):  # fmt: skip
-    """The `triton` backend of fusedattn.varlen_attention."""
+    """The `triton` backend of fusedattn.varlen_attention (fp8: out_dtype and the descales)."""
+    if out_dtype is not None:
+        return forward_fp8(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, scale, window, softcap, alibi_slopes, sinks, return_lse,
+                           descales, out_dtype)  # fmt: skip
     return _forward(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, dropout_p, scale, window, softcap, alibi_slopes, sinks,
                     return_lse, backend)  # fmt: skip

@@ -33,6 +33,13 @@ def key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding
         return None
 
 
+def fp8_key(key, q_descale, k_descale, v_descale, out_dtype):
+    """An fp8 call's key: the plain key with its descales' metadata and out_dtype."""
+    if key is None:
+        return None
+    return (*key, meta(q_descale), meta(k_descale), meta(v_descale), out_dtype)
+
+
 class AttentionPlan:
     """fusedattn.attention's decisions for one key: the backend, its keyword arguments, the
     float-mask shift, and for the Triton kernels a TritonAttentionLaunch template (its launch
@@ -50,8 +57,11 @@ class AttentionPlan:
         self.shift = inputs["attn_mask"] is not None and inputs["sinks"] is None
         self.kwargs = {n: inputs[n] for n in ("dropout_p", "scale", "enable_gqa", "window",
                                               "softcap", "return_lse")}  # fmt: skip
+        self.fp8 = "k_descale" in inputs  # an fp8 call: its descales come with each call
+        if self.fp8:
+            self.kwargs["out_dtype"] = inputs["out_dtype"]
         self.template = None
-        if impl.run is triton_backend.attention:  # the Triton backend's own (not a wrapper of it)
+        if impl.run is triton_backend.attention and not self.fp8:  # Triton's own, not a wrapper
             self.template = custom_ops.attention_template(
                 inputs["q"], inputs["k"], inputs["v"], inputs["attn_mask"],
                 inputs["key_padding_mask"], inputs["alibi_slopes"], inputs["sinks"],
@@ -64,7 +74,7 @@ class AttentionPlan:
             return self.impl.run(**inputs, template=self.template)
         return self.impl.run(**inputs)
 
-    def __call__(self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks):
+    def __call__(self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, descales):
         shift = None
         if self.shift:
             visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
@@ -77,9 +87,12 @@ class AttentionPlan:
                 "triton", self.template, self.autograd,
             )  # fmt: skip
         else:
-            result = self.run(dict(q=q, k=k, v=v, attn_mask=attn_mask,
-                                   key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
-                                   sinks=sinks, **self.kwargs))  # fmt: skip
+            inputs = dict(q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                          alibi_slopes=alibi_slopes, sinks=sinks, **self.kwargs)  # fmt: skip
+            if self.fp8:
+                inputs.update(q_descale=descales[0], k_descale=descales[1],
+                              v_descale=descales[2])  # fmt: skip
+            result = self.run(inputs)
         if shift is not None and self.kwargs["return_lse"]:
             out, lse = result
             return out, lse + shift.float()

@@ -5,6 +5,7 @@ call's window."""
 from __future__ import annotations
 
 from ... import reference
+from ...checks import check_descale_values
 from ...masks import Window
 
 
@@ -19,18 +20,22 @@ def public_window_args(window: Window) -> dict:
 
 def attention(
     q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
-    alibi_slopes, sinks, return_lse,
+    alibi_slopes, sinks, return_lse, **fp8,
 ):  # fmt: skip
+    """reference.attention (fp8: the descales and out_dtype among fp8, values checked)."""
+    if fp8:
+        check_descale_values(**{n: fp8[n] for n in ("q_descale", "k_descale", "v_descale")})
     return reference.attention(
         q, k, v, attn_mask, dropout_p, scale=scale, enable_gqa=enable_gqa,
         key_padding_mask=key_padding_mask, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, return_lse=return_lse, **public_window_args(window),
+        sinks=sinks, return_lse=return_lse, **public_window_args(window), **fp8,
     )  # fmt: skip
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                       **kw):  # fmt: skip
-    """reference.varlen_attention (block_table among kw: a paged cache)."""
+    """reference.varlen_attention (block_table among kw: a paged cache; fp8: the descales and
+    out_dtype among kw)."""
     return reference.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         enable_gqa=q.shape[1] != k.shape[-2], **public_window_args(window), **kw,

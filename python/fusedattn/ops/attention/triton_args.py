@@ -15,6 +15,10 @@ import torch
 from ..core import triton_launch
 from ..core.kernels import device_arch, dot_flags, kernels
 
+# fp16/bf16 backward: query blocks that see at most this many keys take the exact delta
+# (attention_bwd_dq's docstring; one or two key tiles on a GPU, not yet timed there)
+EXACT_DELTA_KEYS = 128
+
 
 def valid_key_range(key_padding_mask: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """(B, 3) int32 per batch row: [first, end) of the keys that are not padding (end <= first
@@ -92,6 +96,7 @@ class TritonAttentionLaunch:
         self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
         scale, softcap, dropout_p, seed, *, config=None, interpreted=None, planned=False,
+        descales=None,
     ):  # fmt: skip
         # planned: a template a plan keeps for every call of its metadata (bind() gives each
         # call's launch); each kernel's launcher is bound at its first launch and shared
@@ -122,9 +127,17 @@ class TritonAttentionLaunch:
         self.sinks = None if sinks is None else sinks.contiguous()
         self.cu_q, self.cu_k, self.seed = cu_seqlens_q, cu_seqlens_k, seed
         self.scalars = (scale, softcap, window_left, window_right, dropout_p)
+        # fp8 (q, k, v in float8_e4m3fn): the descales, one value per (sequence, kv head) or
+        # one for all (strides 0), folded into the scores' scale and the output by the kernel
+        self.descales = (None, None, None) if descales is None else tuple(descales)
+        self.descale_strides = tuple(
+            stride for d in self.descales
+            for stride in ((0, 0) if d is None or d.numel() == 1 else d.stride())
+        )  # fmt: skip
         interpreted = not q.is_cuda if interpreted is None else interpreted
         flags = dot_flags(q)
         self.ieee_fp32 = q.dtype == torch.float32 and flags["PRECISION"] == "ieee"
+        self.half = q.dtype in (torch.float16, torch.bfloat16)
         if not interpreted:
             flags["DOT_IN_FP32"] = False
         self.flags = dict(
@@ -216,7 +229,7 @@ class TritonAttentionLaunch:
             q, out = descriptor(q, t.block_m, bd), descriptor(out, t.block_m, bdv)
             k, v = descriptor(k, t.block_n, bd), descriptor(v, t.block_n, bdv)
         return (q, k, v, out, lse, self.mask, self.kpm, self.kv_range, self.seed, self.slopes,
-                self.sinks, self.cu_q, self.cu_k)  # fmt: skip
+                self.sinks, self.cu_q, self.cu_k, *self.descales)  # fmt: skip
 
     def fwd_args(self, q, k, v, out, lse):
         strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
@@ -225,11 +238,13 @@ class TritonAttentionLaunch:
         args = (
             *tensors, *strides, *self.lse_strides, *self.mask_strides,
             self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
-            self.query_blocks("fwd"), *self.scalars,
+            self.query_blocks("fwd"), *self.scalars, *self.descale_strides,
         )  # fmt: skip
         constexprs = dict(
             HAS_SINKS=self.sinks is not None, USE_TMA=use_tma, **self.flags, **self.tiles("fwd")
         )
+        if self.descales[0] is not None:
+            constexprs["FP8"] = True
         if self.cfg.fwd.pipeline:
             constexprs["PIPELINE"] = True
         scale, softcap = self.scalars[0], self.scalars[1]
@@ -270,10 +285,13 @@ class TritonAttentionLaunch:
         # the exact delta (attention_bwd_dq) where the output's rounding would show: a float
         # mask's gradient, and fp32 without TF32 (not a speed path: its dots run on FMA units);
         # exact_delta=False: the caller's out is a whole row's and these keys a block of it
+        given = exact_delta
         if exact_delta is None:
             exact_delta = mask_grad or self.ieee_fp32
         constexprs = dict(
             MASK_GRAD=mask_grad, HAS_SINKS=self.sinks is not None, EXACT_DELTA=exact_delta,
             **self.flags, **self.tiles("dq"),
         )  # fmt: skip
+        if given is None and not exact_delta and self.half:  # not for CP's blocks (given)
+            constexprs["EXACT_DELTA_KEYS"] = EXACT_DELTA_KEYS
         return (self.B * self.H * self.query_blocks("dq"),), args, constexprs

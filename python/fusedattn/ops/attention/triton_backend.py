@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from ...fp8 import is_fp8
 from ..core.kernels import KERNEL_DTYPES, MAX_HEAD_DIM
 from ..core.outputs import new_output
 from ..shared.decode_launch import launch_decode
@@ -17,10 +18,10 @@ from . import custom_ops
 attention = functools.partial(custom_ops.run, backend="triton")
 
 
-def refusals(*, q, v, alibi_slopes=None, **_inputs) -> list[str]:
+def refusals(*, q, v, alibi_slopes=None, **inputs) -> list[str]:
     """Why the Triton attention cannot take these inputs ([] = it can)."""
     reasons = []
-    if q.dtype not in KERNEL_DTYPES:
+    if q.dtype not in KERNEL_DTYPES and not is_fp8(q):
         reasons.append(f"the Triton attention takes float16, bfloat16 and float32, got {q.dtype}")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
@@ -30,22 +31,26 @@ def refusals(*, q, v, alibi_slopes=None, **_inputs) -> list[str]:
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   scale, window, softcap, alibi_slopes, sinks, return_lse, block_table=None):  # fmt: skip
+                     scale, window, softcap, alibi_slopes, sinks, return_lse, block_table=None,
+                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None):  # fmt: skip
     """The Triton varlen attention; over a paged cache the decode kernel's packed-query form
     (shared/decode_launch.launch_decode): K/V read in place through the block table, never
     gathered."""
+    descales = (q_descale, k_descale, v_descale)
     if block_table is None:
         return custom_ops.run_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
             window, softcap, alibi_slopes, sinks, return_lse, backend="triton",
+            descales=descales, out_dtype=out_dtype,
         )  # fmt: skip
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = new_output((q.shape[0], q.shape[1], v.shape[-1]), q.dtype, q.device)
+    dtype = q.dtype if out_dtype is None else out_dtype
+    out = new_output((q.shape[0], q.shape[1], v.shape[-1]), dtype, q.device)
     lse = new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
     if out.numel():
         lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         launch_decode(q, k, v, out, lse, lengths, block_table, None, None, cu_seqlens_q,
                       cu_seqlens_q.shape[0] - 1, max_seqlen_q, scale, window, softcap,
-                      alibi_slopes, sinks, 0)  # fmt: skip
+                      alibi_slopes, sinks, 0, descales=descales)  # fmt: skip
     return (out, lse) if return_lse else out

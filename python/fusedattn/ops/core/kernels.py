@@ -74,12 +74,13 @@ def device_arch(device: torch.device) -> int:
 
 
 def dot_flags(q: torch.Tensor) -> dict:
-    """fp32 inputs to fp32 accuracy unless the user allowed TF32 (torch.backends); bf16 dots in
-    fp32 in the CPU interpreter (see _dot in the kernels)."""
+    """fp32 inputs to fp32 accuracy unless the user allowed TF32 (torch.backends); bf16 and fp8
+    dots in fp32 in the CPU interpreter (see _dot in the kernels)."""
     tf32 = q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
     return dict(
         PRECISION="tf32" if tf32 else "ieee",
-        DOT_IN_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
+        # fp8 too: the interpreter's fp8 dot is not to be trusted (fp8 values are fp32 values)
+        DOT_IN_FP32=not q.is_cuda and (q.dtype == torch.bfloat16 or q.element_size() == 1),
     )
 
 

@@ -22,7 +22,7 @@ import torch
 from ...checks import check_kvcache_args, check_tensor
 from ..core import backends
 from ..core.plans import tracing
-from ..shared.decode_launch import key_mask_bounds
+from ..shared.decode_launch import NO_DESCALES, key_mask_bounds
 from . import custom_ops, plans, reference_backend, torch_backend, triton_backend
 
 backends.register("attention_with_kvcache", "reference", reference_backend.attention,
@@ -51,6 +51,9 @@ def attention_with_kvcache(
     sinks: torch.Tensor | None = None,
     num_splits: int = 0,
     return_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Attention of a few new queries per sequence over a KV cache (decoding, speculative
@@ -73,6 +76,14 @@ def attention_with_kvcache(
     that batch 1 fills the GPU; fp32 partials combined in a fixed order (the same inputs give
     the same bits). Returns out (B, Tq, Hq, Dv) [, lse (B, Hq, Tq) fp32].
 
+    FP8 caches: k_cache and v_cache in torch.float8_e4m3fn or torch.float8_e5m2 (one type for
+    both), in every layout above, with k_descale and v_descale (float32, (B, Hkv) or one
+    value: a stored element means stored × descale), read one byte an element and converted
+    in the kernel; q in bfloat16, float16 or float32 (the output in q's dtype), or q in fp8
+    with q_descale (the output bfloat16). The appended k, v (bfloat16, float16 or float32) are
+    written as x / descale rounded to nearest-even, saturating at the type's largest finite
+    value; NaN stays NaN (fusedattn.fp8).
+
     Inference only: refused (ValueError) where autograd would record, i.e. with grad mode on
     and an input that requires grad; under torch.no_grad() or inference_mode() parameters
     that require grad (GPT-OSS's sinks) are fine.
@@ -90,19 +101,22 @@ def attention_with_kvcache(
         plan_key = plans.key(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
             is_causal, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
+            q_descale, k_descale, v_descale,
         )  # fmt: skip
         plan = plans.PLANS.get(plan_key)
         if plan is not None:
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
-                        alibi_slopes, sinks)  # fmt: skip
+                        alibi_slopes, sinks, (q_descale, k_descale, v_descale))  # fmt: skip
     window, seqlens = check_kvcache_args(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, scale,
         is_causal, window_size, softcap, alibi_slopes, sinks, num_splits, return_lse,
+        q_descale, k_descale, v_descale,
     )  # fmt: skip
     Tnew = 0 if k is None else k.shape[1]
+    descales = (q_descale, k_descale, v_descale)
     inputs = _inputs(
         q, k_cache, v_cache, seqlens + Tnew if Tnew else seqlens, block_table, cache_leftpad,
-        None, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse,
+        None, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse, descales,
     )  # fmt: skip
     # Every refusal, then the values, before anything is written into the caches.
     impl = backends.select("attention_with_kvcache", backend, q.device, inputs)
@@ -115,13 +129,14 @@ def attention_with_kvcache(
         plan = plans.TritonPlan(
             impl, q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, scale, window,
             softcap, alibi_slopes, sinks, num_splits, return_lse, check_values, int_seqlens,
+            descales,
         )  # fmt: skip
     else:
         plan = plans.Plan(impl, window, scale, softcap, num_splits, return_lse,
                                 check_values, int_seqlens, Tnew)  # fmt: skip
     plans.PLANS.remember(plan_key, plan)
     return plan(q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, alibi_slopes,
-                sinks)  # fmt: skip
+                sinks, descales)  # fmt: skip
 
 
 CHECK_VALUES_ENV = "FUSEDATTN_CHECK_VALUES"
@@ -138,32 +153,37 @@ def values_checked(on_gpu: bool, backend: str, environ=os.environ) -> bool:
 
 
 def _inputs(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,
-            softcap, alibi_slopes, sinks, num_splits, return_lse) -> dict:  # fmt: skip
+            softcap, alibi_slopes, sinks, num_splits, return_lse,
+            descales=NO_DESCALES) -> dict:  # fmt: skip
+    q_descale, k_descale, v_descale = descales
     return dict(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k, block_table=block_table,
         cache_leftpad=cache_leftpad, key_mask=key_mask, scale=scale, window=window,
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks,
-        num_splits=int(num_splits), return_lse=return_lse,
+        num_splits=int(num_splits), return_lse=return_lse, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale,
     )  # fmt: skip
 
 
 def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal=False,
-                         window_size=None, softcap=0.0, sinks=None, backend="auto"):  # fmt: skip
+                         window_size=None, softcap=0.0, sinks=None, backend="auto",
+                         k_descale=None, v_descale=None):  # fmt: skip
     """One new query per sequence over a cache whose visible positions a (B, S) bool row
     gives, holes allowed (the last row of Hugging Face's decode-step mask; its (B, 1, 1, S)
     decode mask is taken as it is, read in place by the kernels): the keys run from
     the first visible position to the last, the query sits at the last, and the invisible
-    positions in between are neither read nor weighed. None: every slot is visible. Internal
+    positions in between are neither read nor weighed. None: every slot is visible. An fp8
+    cache comes with its k_descale, v_descale (the Hugging Face fp8 caches'). Internal
     (the Hugging Face integration's); lengths stay on the device (no sync). Eager calls of
     known metadata run their plan (plans.MaskedPlan; on Triton the kernel finds the mask's
     bounds itself)."""
     plan_key = None
     if not tracing():
         plan_key = plans.masked_key(q, k_cache, v_cache, key_mask, sinks, scale, is_causal,
-                                    window_size, softcap, backend)  # fmt: skip
+                                    window_size, softcap, backend, k_descale, v_descale)  # fmt: skip
         plan = plans.MASKED.get(plan_key)
         if plan is not None:
-            return plan(q, k_cache, v_cache, key_mask, sinks)
+            return plan(q, k_cache, v_cache, key_mask, sinks, (None, k_descale, v_descale))
     B, S = q.shape[0], k_cache.shape[1]
     if key_mask is None:
         seqlens, leftpad = S, None
@@ -181,11 +201,13 @@ def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal
         seqlens, leftpad = key_mask_bounds(key_mask)
     window, seqlens = check_kvcache_args(
         q, k_cache, v_cache, None, None, seqlens, None, leftpad, scale, is_causal,
-        window_size, softcap, None, sinks, 0,
+        window_size, softcap, None, sinks, 0, k_descale=k_descale, v_descale=v_descale,
     )  # fmt: skip
+    # the descales come from fusedattn's fp8 caches, which check given ones when they take them
+    descales = (None, k_descale, v_descale)
     rows = None if key_mask is None else key_mask.view(B, S)  # the backends' (B, S) view
     inputs = _inputs(q, k_cache, v_cache, seqlens, None, leftpad, rows, scale, window,
-                     softcap, None, sinks, 0, False)  # fmt: skip
+                     softcap, None, sinks, 0, False, descales)  # fmt: skip
     impl = backends.select("attention_with_kvcache", backend, q.device, inputs)
     if tracing():
         return custom_ops.record(q, k_cache, v_cache, None, None, seqlens, inputs, False,
@@ -194,8 +216,8 @@ def decode_with_key_mask(q, k_cache, v_cache, key_mask, *, scale=None, is_causal
     fixed_lengths = None if masked else seqlens  # every slot: the same tensor each step
     if impl.run is triton_backend.attention:  # the Triton backend's own (not a wrapper of it)
         plan = plans.TritonMaskedPlan(impl, q, k_cache, v_cache, key_mask, sinks, window, scale,
-                                      softcap, masked, fixed_lengths)  # fmt: skip
+                                      softcap, masked, fixed_lengths, descales)  # fmt: skip
     else:
         plan = plans.MaskedPlan(impl, window, scale, softcap, masked, fixed_lengths)
     plans.MASKED.remember(plan_key, plan)
-    return plan.launch(q, k_cache, v_cache, key_mask, sinks, seqlens, leftpad)
+    return plan.launch(q, k_cache, v_cache, key_mask, sinks, seqlens, leftpad, descales)

@@ -18,18 +18,21 @@ the signatures' annotations as types.
 import torch
 
 from ...checks import check_kvcache_values
+from ...fp8 import output_dtype
 from ...masks import Window
 from ..core import backends
 from ..shared.decode_launch import append
 
 
 def append_impl(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
-                check_values: bool) -> None:  # fmt: skip
+                check_values: bool, k_descale=None, v_descale=None) -> None:  # fmt: skip
     """The values (when asked), then the append (shared/decode_launch.py: one Triton launch on
-    a GPU)."""
+    a GPU; an fp8 cache quantized with its descales)."""
     if check_values:
-        check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, k.shape[1])
-    append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        descales = None if k_descale is None else dict(k_descale=k_descale, v_descale=v_descale)
+        check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, k.shape[1],
+                             descales=descales)  # fmt: skip
+    append(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
 
 
 @torch.library.custom_op("fusedattn::kvcache_append", mutates_args=("k_cache", "v_cache"))
@@ -42,30 +45,38 @@ def kvcache_append(
     block_table: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
     check_values: bool,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> None:
-    append_impl(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, check_values)
+    append_impl(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, check_values,
+                k_descale, v_descale)  # fmt: skip
 
 
 @kvcache_append.register_fake
-def _(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, check_values):
+def _(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, check_values,
+      k_descale=None, v_descale=None):  # fmt: skip
     return None
 
 
 def attention_impl(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask,
                    alibi_slopes, sinks, scale, window_left, window_right, softcap, num_splits,
-                   return_lse, check_values, backend):  # fmt: skip
+                   return_lse, check_values, backend, q_descale=None, k_descale=None,
+                   v_descale=None):  # fmt: skip
     """(out (B, Tq, Hq, Dv) contiguous, lse (B, Hq, Tq) fp32, or an empty one without
     return_lse) of the named backend's implementation; the values first when asked (Tnew = 0:
     an append before this call has checked them already)."""
     if check_values:
-        check_kvcache_values(seqlens_k, cache_leftpad, block_table, k_cache, 0)
+        descales = None if k_descale is None else dict(q_descale=q_descale, k_descale=k_descale,
+                                                       v_descale=v_descale)  # fmt: skip
+        check_kvcache_values(seqlens_k, cache_leftpad, block_table, k_cache, 0,
+                             descales=descales)  # fmt: skip
     # check_kvcache_args' window exactly (make_window, alibi=False: bottom-right iff bounded)
     window = Window(window_left, window_right, window_left >= 0 or window_right >= 0)
     result = backends._REGISTRY["attention_with_kvcache"][backend].run(
         q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k, block_table=block_table,
         cache_leftpad=cache_leftpad, key_mask=key_mask, scale=scale, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, num_splits=num_splits,
-        return_lse=return_lse,
+        return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )  # fmt: skip
     out, lse = result if return_lse else (result, None)
     if lse is None:
@@ -92,20 +103,23 @@ def kvcache_attention(
     return_lse: bool,
     check_values: bool,
     backend: str,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_impl(
         q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, alibi_slopes,
         sinks, scale, window_left, window_right, softcap, num_splits, return_lse, check_values,
-        backend,
+        backend, q_descale, k_descale, v_descale,
     )  # fmt: skip
 
 
 @kvcache_attention.register_fake
 def _(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, alibi_slopes, sinks,
       scale, window_left, window_right, softcap, num_splits, return_lse, check_values,
-      backend):  # fmt: skip
+      backend, q_descale=None, k_descale=None, v_descale=None):  # fmt: skip
     B, Tq, Hq, _ = q.shape
-    out = q.new_empty(B, Tq, Hq, v_cache.shape[-1])
+    out = q.new_empty(B, Tq, Hq, v_cache.shape[-1], dtype=output_dtype(q, None))
     lse = q.new_empty((B, Hq, Tq) if return_lse else (0,), dtype=torch.float32)
     return out, lse
 
@@ -117,7 +131,7 @@ def record(q, k_cache, v_cache, k, v, seqlens, inputs: dict, check_values: bool,
     if k is not None:
         torch.ops.fusedattn.kvcache_append(
             k_cache, v_cache, k, v, seqlens, inputs["block_table"], inputs["cache_leftpad"],
-            check_values,
+            check_values, inputs["k_descale"], inputs["v_descale"],
         )  # fmt: skip
         check_values = False
     window = inputs["window"]
@@ -125,6 +139,7 @@ def record(q, k_cache, v_cache, k, v, seqlens, inputs: dict, check_values: bool,
         q, k_cache, v_cache, inputs["seqlens_k"], inputs["block_table"], inputs["cache_leftpad"],
         inputs["key_mask"], inputs["alibi_slopes"], inputs["sinks"], inputs["scale"],
         window.left, window.right, inputs["softcap"], inputs["num_splits"],
-        inputs["return_lse"], check_values, backend,
+        inputs["return_lse"], check_values, backend, inputs["q_descale"], inputs["k_descale"],
+        inputs["v_descale"],
     )  # fmt: skip
     return (out, lse) if inputs["return_lse"] else out

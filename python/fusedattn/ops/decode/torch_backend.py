@@ -8,10 +8,17 @@ from __future__ import annotations
 import torch
 
 from ...cache_layout import dense_cache
+from ...fp8 import dequantize_heads, is_fp8, output_dtype
 from ...masks import NO_WINDOW
 from ..shared import sdpa
 
-refusals = sdpa.refusals  # what SDPA cannot express, as for every attention op
+
+def refusals(*, q, k_cache=None, **inputs) -> list[str]:
+    """What SDPA cannot express, as for every attention op; over an fp8 cache the call runs
+    in float32 (dequantized), so q's dtype rounds nothing."""
+    if k_cache is not None and is_fp8(k_cache):
+        q = q.new_empty((0,), dtype=torch.float32)
+    return sdpa.refusals(q=q, **inputs)
 
 
 def visible_keys(seqlens_k, cache_leftpad, key_mask, Tq: int, capacity: int, window):
@@ -32,12 +39,23 @@ def visible_keys(seqlens_k, cache_leftpad, key_mask, Tq: int, capacity: int, win
 
 
 def attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale,
-              window, softcap, alibi_slopes, sinks, num_splits, return_lse):  # fmt: skip
+              window, softcap, alibi_slopes, sinks, num_splits, return_lse, q_descale=None,
+              k_descale=None, v_descale=None):  # fmt: skip
     """SDPA over the whole cache capacity with one (B, 1 or Hq, Tq, capacity) mask: the positions
     of each sequence differ, so they go in the mask (ALiBi as a float bias, in float64 for
-    float64 inputs: the fp32 slopes' products rounded to fp32 would cost float64 its accuracy)."""
+    float64 inputs: the fp32 slopes' products rounded to fp32 would cost float64 its accuracy).
+    An fp8 cache (and q) is dequantized to float32 first, the output in q's dtype (bfloat16
+    for an fp8 q): correct, not fast."""
     B, Tq = q.shape[:2]
     keys, values = dense_cache(k_cache, block_table, B), dense_cache(v_cache, block_table, B)
+    if is_fp8(k_cache):
+        dtype = output_dtype(q, None)
+        keys, values = dequantize_heads(keys, k_descale), dequantize_heads(values, v_descale)
+        q = q.float() if q_descale is None else dequantize_heads(q.transpose(1, 2), q_descale)
+        q = q if q_descale is None else q.transpose(1, 2)
+        return attention(q, keys.transpose(1, 2), values.transpose(1, 2), seqlens_k, None,
+                         cache_leftpad, key_mask, scale, window, softcap, alibi_slopes, sinks,
+                         num_splits, return_lse).to(dtype)  # fmt: skip
     keep, pos = visible_keys(seqlens_k, cache_leftpad, key_mask, Tq, keys.shape[2], window)
     padding = ~keep.any(dim=2)[:, 0]  # (B, capacity): keys no query sees, zero-filled by SDPA's
     mask = keep

@@ -16,6 +16,17 @@ from ..core import backends, triton_launch
 from ..core.kernels import dense, dot_flags, kernels, sm_count
 from ..core.outputs import new_output
 
+NO_DESCALES = (None, None, None)  # (q_descale, k_descale, v_descale) of a call without fp8
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernels' CACHE_FP8 / Q_FP8
+
+
+def descale_strides(descale) -> tuple[int, int]:
+    """(sequence, kv head) strides of a descale: 0, 0 for one value."""
+    if descale is None or descale.numel() == 1:
+        return 0, 0
+    return descale.stride(0), descale.stride(1)
+
+
 INTERPRETER_SMS = 4  # what the CPU interpreter pretends to have, so num_splits=0 splits there
 
 
@@ -28,19 +39,20 @@ def default_splits(cfg, programs: int, capacity: int, device: torch.device) -> i
 
 def launch_decode(q, k_cache, v_cache, out, lse, seqlens_k, block_table, cache_leftpad, key_mask,
                   cu_seqlens_q, B, Tq, scale, window, softcap, alibi_slopes, sinks, num_splits,
-                  seqlen_add=0):  # fmt: skip
+                  seqlen_add=0, descales=NO_DESCALES):  # fmt: skip
     """The Triton decode kernel (and the combine of its key splits) into out and lse: q, out
     (B, Tq, Hq, D[v]) and lse (B, Hq, Tq), or with cu_seqlens_q packed q, out (total_q, Hq,
     D[v]) and lse (Hq, total_q), Tq the longest sequence's query count (varlen_attention over a
-    paged cache). seqlen_add: keys an append of the same step adds to seqlens_k."""
+    paged cache). seqlen_add: keys an append of the same step adds to seqlens_k. descales:
+    (q_descale, k_descale, v_descale) of an fp8 cache (and q)."""
     seqlens_k, cache_leftpad, block_table, alibi_slopes, sinks = map(
         dense, (seqlens_k, cache_leftpad, block_table, alibi_slopes, sinks)
     )
     launch = TritonDecode(q, k_cache, v_cache, block_table, cache_leftpad, key_mask,
                           cu_seqlens_q, B, Tq, scale, window, softcap, alibi_slopes, sinks,
-                          num_splits, seqlen_add)  # fmt: skip
+                          num_splits, seqlen_add, descales=descales)  # fmt: skip
     launch(q, k_cache, v_cache, out, lse, seqlens_k, cache_leftpad, block_table, alibi_slopes,
-           sinks, key_mask, cu_seqlens_q)  # fmt: skip
+           sinks, key_mask, cu_seqlens_q, descales)  # fmt: skip
 
 
 class TritonDecode:
@@ -54,7 +66,7 @@ class TritonDecode:
 
     def __init__(self, q, k_cache, v_cache, block_table, cache_leftpad, key_mask, cu_seqlens_q, B,
                  Tq, scale, window, softcap, alibi_slopes, sinks, num_splits,
-                 seqlen_add=0, mask_bounds=False):  # fmt: skip
+                 seqlen_add=0, mask_bounds=False, descales=NO_DESCALES):  # fmt: skip
         K = kernels("decode")
         Hq, D = q.shape[-2:]
         Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
@@ -92,6 +104,7 @@ class TritonDecode:
             0 if key_mask is None else key_mask.stride(0),
             Tq, Hq, Hkv, D, Dv, group, m_blocks, num_splits, scale, float(softcap), window.left,
             window.right, capacity, k_cache.shape[0], seqlen_add,
+            *(stride for d in descales for stride in descale_strides(d)),
         )  # fmt: skip
         self.decode_constexprs = dict(
             VARLEN_Q=self.varlen, HAS_LEFTPAD=cache_leftpad is not None, PAGED=paged,
@@ -102,6 +115,10 @@ class TritonDecode:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        if k_cache.dtype in FP8_CODES:  # an fp8 cache, read as bytes and converted per tile
+            self.decode_constexprs.update(CACHE_FP8=FP8_CODES[k_cache.dtype],
+                                          Q_FP8=FP8_CODES.get(q.dtype, 0))  # fmt: skip
+            self.out_dtype = torch.bfloat16 if q.dtype in FP8_CODES else q.dtype
         if mask_bounds:  # the keys' bounds from the key mask, found by each program
             scan = 16 if interpreted else min(1024, max(16, 1 << (capacity - 1).bit_length()))
             self.decode_constexprs.update(MASK_BOUNDS=True, MASK_SCAN=scan)
@@ -122,7 +139,7 @@ class TritonDecode:
         return out, new_output(self.lse_shape, torch.float32, self.device)
 
     def __call__(self, q, k_cache, v_cache, out, lse, seqlens_k, cache_leftpad, block_table,
-                 alibi_slopes, sinks, key_mask, cu_seqlens_q):  # fmt: skip
+                 alibi_slopes, sinks, key_mask, cu_seqlens_q, descales=NO_DESCALES):  # fmt: skip
         """Launch for these tensors (1-D ones contiguous, q with a unit last stride)."""
         if out.numel() == 0:
             return
@@ -131,7 +148,7 @@ class TritonDecode:
             work = torch.empty(self.work_numel, dtype=torch.float32, device=self.device)
             part_o, part_lse = work, work[self.part_o_numel :]
         tensors = (q, k_cache, v_cache, out, lse, part_o, part_lse, seqlens_k, cache_leftpad,
-                   block_table, alibi_slopes, sinks, key_mask, cu_seqlens_q)  # fmt: skip
+                   block_table, alibi_slopes, sinks, key_mask, cu_seqlens_q, *descales)  # fmt: skip
         if self._decode is None:
             self._decode = triton_launch.prepare(
                 self.kernels.attention_decode, self.decode_grid,
@@ -155,7 +172,7 @@ class TritonAppend:
     """append_kv of one call's metadata (append's kernel path), bound to its
     compiled kernel at the first call, as TritonDecode."""
 
-    def __init__(self, k_cache, v_cache, k, v, block_table):
+    def __init__(self, k_cache, v_cache, k, v, block_table, k_descale=None, v_descale=None):
         B, Tnew, Hkv = k.shape[:3]
         D, Dv = k.shape[-1], v.shape[-1]
         cfg = kernels("decode").decode_config(1, D, Dv, k_cache.is_cuda)  # its head-dim blocks
@@ -164,17 +181,24 @@ class TritonAppend:
             *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0) if paged else 0, Tnew, Hkv, D, Dv,
             kvcache_capacity(k_cache, block_table), k_cache.shape[0],
+            *descale_strides(k_descale), *descale_strides(v_descale),
         )  # fmt: skip
         self.constexprs = dict(PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
                                BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=1)  # fmt: skip
+        self.fp8 = k_cache.dtype in FP8_CODES  # written as bytes (fp8.fp8_bits)
+        if self.fp8:
+            self.constexprs["CACHE_FP8"] = FP8_CODES[k_cache.dtype]
         self.grid = (B * Tnew * Hkv,)
         self.empty = B * Tnew * Hkv == 0
         self._launch = None
 
-    def __call__(self, k_cache, v_cache, k, v, seqlens, block_table):
+    def __call__(self, k_cache, v_cache, k, v, seqlens, block_table, k_descale=None,
+                 v_descale=None):  # fmt: skip
         if self.empty:
             return
-        tensors = (k, v, k_cache, v_cache, seqlens, block_table)
+        if self.fp8:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        tensors = (k, v, k_cache, v_cache, seqlens, block_table, k_descale, v_descale)
         if self._launch is None:
             self._launch = triton_launch.prepare(kernels("decode").append_kv, self.grid,
                                                  (*tensors, *self.scalars), self.constexprs)  # fmt: skip
@@ -187,19 +211,23 @@ def append_uses_kernel(k_cache) -> bool:
     return k_cache.is_cuda and backends.TRITON_INSTALLED
 
 
-def append(k_cache, v_cache, k, v, seqlens, block_table, *, kernel: bool | None = None):
+def append(k_cache, v_cache, k, v, seqlens, block_table, k_descale=None, v_descale=None, *,
+           kernel: bool | None = None):  # fmt: skip
     """attention_with_kvcache's in-place append, before any backend runs: on a GPU with Triton
     (kernel=None) one launch of append_kv, else torch's indexed writes (append_to_cache: about
-    ten ops, 170 µs of the host's time per decode step on the CPU machine). The same bits."""
+    ten ops, 170 µs of the host's time per decode step on the CPU machine). The same bits, an
+    fp8 cache's included (x / descale rounded to nearest-even, saturating)."""
     if kernel is None:
         kernel = append_uses_kernel(k_cache)
     if not kernel:
-        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
+        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, k_descale, v_descale)
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     table = dense(block_table)
-    TritonAppend(k_cache, v_cache, k, v, table)(k_cache, v_cache, k, v, dense(seqlens), table)
+    TritonAppend(k_cache, v_cache, k, v, table, k_descale, v_descale)(
+        k_cache, v_cache, k, v, dense(seqlens), table, k_descale, v_descale
+    )
 
 
 def key_mask_bounds(key_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
