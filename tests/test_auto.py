@@ -76,6 +76,18 @@ def test_measured_buckets_lead_and_the_rest_keep_the_default_order(table, monkey
     assert backends.auto_order("attention", CUDA, hit) == backends.AUTO_ORDER["cuda"]["attention"]
 
 
+def test_fp8_calls_try_triton_first_on_a_gpu(table):
+    """torch has no fp8 attention (its backend dequantizes to float32): an fp8 forward or
+    paged prefill leads with Triton on a GPU until a benchmark row says otherwise; on the
+    CPU the default order stays."""
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv())
+    inputs = attention_inputs(q, k, v)
+    assert backends.auto_order("attention", CUDA, inputs)[0] == "triton"
+    assert backends.auto_order("attention", torch.device("cpu"), inputs) == ("torch", "reference")
+    cuda = backends.refusals("attention", "cuda", CUDA, inputs)
+    assert any("no fp8 path" in reason for reason in cuda)
+
+
 def test_a_measured_backend_that_refuses_the_call_falls_through(table):
     # cuda is measured first for this fp32 bucket, but refuses fp32: auto takes torch
     inputs = attention_inputs(*qkv(dtype=torch.float32))

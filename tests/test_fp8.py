@@ -336,12 +336,22 @@ def p_rounded_attention(q, k, v, shift=8.0, **kw):
     Tq, Tk = q.shape[2], k.shape[2]
     window = make_window(kw.get("is_causal", False), kw.get("window_size"),
                          kw.get("causal_alignment", "top_left"), Tq, Tk)  # fmt: skip
+    if kw.get("alibi_slopes") is not None:
+        offset = Tk - Tq if kw.get("causal_alignment") == "bottom_right" else 0
+        distance = (torch.arange(Tq)[:, None] + offset - torch.arange(Tk)[None, :]).abs()
+        s = s - kw["alibi_slopes"].float()[:, None, None] * distance
     visible = merge_masks(None, kw.get("key_padding_mask"), False, Tq, Tk, window=window)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    m = s.amax(-1, keepdim=True)
+    sinks = kw.get("sinks")
+    if sinks is not None:  # one more logit per head in the max and the normaliser
+        m = torch.maximum(m, sinks.float()[:, None, None])
+    m = m.nan_to_num(0.0, neginf=0.0)
     p = torch.exp(s - m) * 2**shift
     total = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sinks.float()[:, None, None] - m) * 2**shift
     p8 = p.to(E4M3).float()
     return torch.matmul(p8, v.float()) / torch.where(total == 0, 1.0, total)
 
@@ -353,6 +363,8 @@ FORWARD_CASES = {
     "softcap": dict(softcap=5.0),
     "key_padding": dict(key_padding_mask=True),
     "bottom_right": dict(is_causal=True, causal_alignment="bottom_right"),
+    "sinks": dict(sinks=True),
+    "alibi": dict(alibi_slopes=True, is_causal=True, causal_alignment="bottom_right"),
 }
 
 
@@ -370,6 +382,10 @@ def test_the_fp8_forward_against_float64_on_the_dequantized_values(backend, case
         kpm = torch.zeros(B, Tk, dtype=torch.bool)
         kpm[1, Tk // 2 :] = True
         kw["key_padding_mask"] = kpm
+    if kw.get("sinks"):
+        kw["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     got, lse = fusedattn.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                                    enable_gqa=True, return_lse=backend != "torch" or None,
                                    backend=backend, **kw) if backend != "torch" else (

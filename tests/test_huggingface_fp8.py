@@ -128,7 +128,7 @@ def test_a_left_padded_batch_generates_as_eager_over_the_same_fp8_cache(config, 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
 
 
-# The fp8 cache against a bf16 one (docs/api.md, "FP8 KV caches in Hugging Face generate"):
+# The fp8 cache against a bf16 one (docs/modules.md, "FP8 KV caches for generate"):
 # bf16 models, 8 prompts (4 left-padded), 16 new tokens, the fp8 run fed the bf16 run's tokens
 # (teacher forcing: every step compares the same history). Measured on the CPU over 5 seeds:
 # the greedy pick agrees on 85-100 % of the steps (mean 93-100 %; a float32 model against the

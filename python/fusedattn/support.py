@@ -50,13 +50,21 @@ def _attention(*args_override, **kwargs):
     return call
 
 
-def _packed(paged=False, **kwargs):
+def _descales(*names):
+    """One descale (a single value) for each named fp8 tensor."""
+    return {f"{name}_descale": torch.ones(()) for name in names}
+
+
+def _packed(paged=False, fp8=False, **kwargs):
     def call():
         q, k, v = (torch.zeros(8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
         cu = torch.tensor([0, 3, 8], dtype=torch.int32)
         if paged:  # two sequences' keys in pages of 4 slots
-            k, v = (torch.zeros(6, 4, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+            dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            k, v = (torch.zeros(6, 4, 2, 64, dtype=dtype) for _ in range(2))
             kwargs["block_table"] = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+            if fp8:
+                kwargs.update(_descales("k", "v"))
         return ops.varlen_attention, (q, k, v, cu, cu, 5, 5), kwargs
 
     return call
@@ -117,14 +125,18 @@ ATTENTION = [
         "varlen_attention over a paged cache (block_table), causal",
         _packed(paged=True, is_causal=True, causal_alignment="bottom_right"),
     ),
-]
+    Feature("fp8 forward (e4m3 q, k, v with descales; inference)", _attention(
+        _qkv(torch.float8_e4m3fn), is_causal=True, **_descales("q", "k", "v"))),
+    Feature("paged prefill over an fp8 cache", _packed(
+        paged=True, fp8=True, is_causal=True, causal_alignment="bottom_right")),
+]  # fmt: skip
 
 
-def _decode(dtype=torch.bfloat16, paged=False, D=64, **kwargs):
+def _decode(dtype=torch.bfloat16, paged=False, D=64, cache_dtype=None, **kwargs):
     def call():
         q = torch.zeros(2, 1, 4, D, dtype=dtype)
         shape = (5, 16, 2, D) if paged else (2, 32, 2, D)
-        cache = torch.zeros(shape, dtype=dtype)
+        cache = torch.zeros(shape, dtype=cache_dtype or dtype)
         table = dict(block_table=torch.zeros(2, 2, dtype=torch.int32)) if paged else {}
         kw = dict(cache_seqlens=20, **table, **kwargs)
         return ops.attention_with_kvcache, (q, cache, cache), kw
@@ -151,7 +163,11 @@ DECODE = [
     Feature("decode + ALiBi, fp16 / bf16", _decode(alibi_slopes=torch.ones(4), is_causal=True)),
     Feature("decode + softcap", _decode(softcap=30.0)),
     Feature("decode + return_lse", _decode(return_lse=True)),
-]
+    Feature("decode over an fp8 cache (e4m3 / e5m2), bf16 q", _decode(
+        cache_dtype=torch.float8_e4m3fn, **_descales("k", "v"))),
+    Feature("decode over a paged fp8 cache, fp8 q", _decode(
+        torch.float8_e4m3fn, paged=True, **_descales("q", "k", "v"))),
+]  # fmt: skip
 NORMS = [
     Feature("layer_norm, fp16 / bf16 / fp32", _norm(ops.layer_norm, torch.bfloat16, 64)),
     Feature("layer_norm, fp64", _norm(ops.layer_norm, torch.float64, 64)),

@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from ...fp8 import FP8_DTYPES
 from ...masks import NO_WINDOW
 from ..core.kernels import MAX_HEAD_DIM, extension_op_refusals
 from . import custom_ops
@@ -37,7 +38,9 @@ def refusals(
                          ("sinks", sinks is None)):  # fmt: skip
         if not unused:
             reasons.append(f"the CUDA attention does not take {name} yet")
-    if q.dtype not in CUDA_DTYPES:
+    if q.dtype in FP8_DTYPES or k.dtype in FP8_DTYPES:
+        reasons.append("the CUDA attention has no fp8 path (the Triton backend runs fp8 fused)")
+    elif q.dtype not in CUDA_DTYPES:
         reasons.append(f"the CUDA attention takes float16 and bfloat16, got {q.dtype}")
     D, Dv = q.shape[-1], v.shape[-1]
     if max(D, Dv) > MAX_HEAD_DIM:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...fp8 import is_fp8
 from . import auto
 from . import extension as extension_loader
 
@@ -163,12 +164,21 @@ def _format(reasons: list[str]) -> str:
     return "".join(f"\n  - {r}" for r in reasons)
 
 
+def _fp8_call(inputs: dict) -> bool:
+    return is_fp8(inputs.get("q")) or is_fp8(inputs.get("k"))
+
+
 def auto_order(op: str, device: torch.device, inputs: dict) -> tuple[str, ...]:
     """The backends auto tries, in order: those measured fastest for calls like this one on
     this card (ops/core/auto.py's table), then the default order for the device."""
     order_of = op
     if op == "varlen_attention" and inputs.get("block_table") is not None:
         order_of = "attention_with_kvcache"  # a paged prefill runs the decode kernel
+    elif _fp8_call(inputs):
+        # torch has no fp8 attention: its backend dequantizes q, k, v to float32 (4x the
+        # bytes) and runs SDPA in fp32; the Triton kernels read fp8 and multiply on fp8
+        # tensor cores, so they lead until a benchmark row says otherwise
+        order_of = "attention_with_kvcache"
     default = AUTO_ORDER.get(device.type, {}).get(order_of, ("reference",))
     measured = auto.measured_order(op, device, inputs)
     return measured + tuple(b for b in default if b not in measured)
