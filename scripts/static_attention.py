@@ -21,6 +21,7 @@ keep the default GPU tiles. Each (variant, kernel, tiles) compiles in its own pr
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import csv
 import dataclasses
@@ -47,6 +48,11 @@ VARIANTS = {
     "alibi": dict(alibi=True, window_right=0),
     "sinks": dict(sinks=True, window_right=0),
     "varlen": dict(varlen=True, window_right=0),
+    # the fp8 forward (issue #60; forward only): q, k, v in float8_e4m3fn, a descale per
+    # (sequence, kv head), output bf16; both dots should become e4m3 wgmma (k = 32)
+    "fp8": dict(fp8=True),
+    "fp8_causal": dict(fp8=True, window_right=0),
+    "fp8_varlen": dict(fp8=True, varlen=True, window_right=0),
     # every option at once, as the tests' "everything" variant (bottom-right alignment aside)
     "everything": dict(
         window_left=1024,
@@ -59,7 +65,7 @@ VARIANTS = {
     ),
 }
 KERNELS = ("fwd", "dkdv", "dq")
-SASS_LINE = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")  # as sm90_static.loops reads cuobjdump
+SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")  # as sm90_static.loops reads cuobjdump
 
 
 def parse_tiles(spec: str):
@@ -93,22 +99,29 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
     from fusedattn.triton_kernels import attention as A
 
     v = VARIANTS[variant]
+    fp8 = bool(v.get("fp8"))
+    if fp8 and kernel != "fwd":
+        raise ValueError("the fp8 attention is inference only: its variants screen fwd")
     cfg = A.attention_config(D, D, on_gpu=True, arch=90,  # the tiles an sm_90 card gets
+                             elem_bytes=1 if fp8 else 2,
                              alibi_or_varlen=bool(v.get("alibi") or v.get("varlen")))  # fmt: skip
     if tiles is not None:
         cfg = dataclasses.replace(cfg, **{kernel: tiles})
     bf16 = dict(dtype=torch.bfloat16)
+    inputs = dict(dtype=torch.float8_e4m3fn) if fp8 else bf16
     if v.get("varlen"):
-        q, k, vv = (torch.empty(B * T, H, D, **bf16) for _ in range(3))
+        q, k, vv = (torch.empty(B * T, H, D, **inputs) for _ in range(3))
         cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
         varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, **bf16)
         lse = torch.empty(H, B * T)
     else:
-        q, k, vv = (torch.empty(B, T, H, D, **bf16).transpose(1, 2) for _ in range(3))
+        q, k, vv = (torch.empty(B, T, H, D, **inputs).transpose(1, 2) for _ in range(3))
         varlen = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
         out = torch.empty(B, T, H, D, **bf16).transpose(1, 2)
         lse = torch.empty(B, H, T)
+    if fp8:  # one descale per (sequence, kv head), as the API passes them
+        varlen["descales"] = tuple(torch.empty(max(B, 2), H) for _ in range(3))
     mask = None
     if v.get("mask") == "bool":
         mask = torch.empty(B, 1, T, T, dtype=torch.bool)
@@ -142,27 +155,62 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
         tiles=t.spec,
     )
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
-    loops = tool.loops(compiled)
+    listing = _sass(tool, compiled)
+    sass = [text for _, text in listing]
+    if fp8:  # the PTX's fp8 wgmma by shape and types (e4m3 operands, k = 32 expected)
+        shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)",
+                            compiled.asm["ptx"])  # fmt: skip
+        row["wgmma_shapes"] = "; ".join(sorted({f"{m} {a}x{b}" for m, a, b in shapes}))
+    loops = matrix_loops(listing)
     elements = t.block_m * t.block_n
-    sass = _sass(tool, compiled)
     row["loops"] = " | ".join(
         f"{lp['instructions']} ins ({lp['instructions'] / elements * t.num_warps:.2f}/elem) "
-        f"int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} mma {lp['HGMMA'] or lp['HMMA']} "
+        f"int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} mma {lp['mma']} "
         f"mufu_under_wgmma {mufu_under_wgmma(sass[lp['lo'] : lp['hi'] + 1])}"
         for lp in loops
     )
     return row
 
 
-def _sass(tool, compiled) -> list[str]:
-    """The kernel's SASS instructions, indexed as the tool's loops() index them."""
+MATRIX_OPS = ("HGMMA", "QGMMA", "HMMA")  # QGMMA: the fp8 wgmma's SASS name
+FP32_OPS = ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP")  # as sm90_static counts them
+INT_OPS = ("IMAD", "IADD3", "LEA", "ISETP", "SEL", "LOP3", "SHF", "IMNMX", "IABS", "VIADD",
+           "VIADDMNMX", "UIADD3", "UIMAD", "ULEA", "USEL", "UISETP")  # fmt: skip
+
+
+def matrix_loops(listing: list[tuple[int, str]]) -> list[dict]:
+    """sm90_static.loops over the kernel's SASS, counting fp8's QGMMA too (the tool knows
+    HGMMA and HMMA only): the innermost backward-branch loops holding matrix instructions,
+    largest first, with the instruction mix of one iteration per warp."""
+    index = {addr: i for i, (addr, _) in enumerate(listing)}
+    sass = [text for _, text in listing]
+    found = []
+    for i, (addr, text) in enumerate(listing):
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr or int(m.group(1), 16) not in index:
+            continue
+        target = index[int(m.group(1), 16)]
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in sass[target : i + 1]]
+        c = collections.Counter(ops)
+        mma = sum(c[k] for k in MATRIX_OPS)
+        if mma:
+            found.append(dict(lo=target, hi=i, instructions=len(ops), mma=mma, MUFU=c["MUFU"],
+                              fp32=sum(c[k] for k in FP32_OPS), int=sum(c[k] for k in INT_OPS)))  # fmt: skip
+    inner = [a for a in found
+             if not any(b is not a and a["lo"] <= b["lo"] and b["hi"] <= a["hi"] for b in found)]  # fmt: skip
+    return sorted(inner, key=lambda r: -r["instructions"])
+
+
+def _sass(tool, compiled) -> list[tuple[int, str]]:
+    """The kernel's SASS instructions as (address, text), in order."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         text = subprocess.run([os.path.join(tool._BIN, "cuobjdump"), "-sass", cubin],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return [m.group(1).strip() for m in map(SASS_LINE.match, text.splitlines()) if m]
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in map(SASS_LINE.match, text.splitlines()) if m]  # fmt: skip
 
 
 def mufu_under_wgmma(body: list[str]) -> int:
@@ -174,7 +222,7 @@ def mufu_under_wgmma(body: list[str]) -> int:
     for lap in range(2):  # the first lap only finds what crosses the back edge
         for text in body:
             op = re.sub(r"^@!?U?P\w+\s+", "", text)
-            if op.startswith("HGMMA"):
+            if op.startswith(("HGMMA", "QGMMA")):
                 in_flight = True
             elif op.startswith("WARPGROUP.DEPBAR") and op.rstrip().endswith("0x0"):
                 in_flight = False

@@ -37,7 +37,17 @@ CASES = {
     "hf_layout_key_mask_tq1": dict(paged=0, Tq=1, split=True, hf=True),
     # paged prefill (varlen_attention with a block table): 64 packed new queries a sequence
     "paged16_varlen_tq64_causal": dict(paged=16, Tq=64, split=False, varlen=True, window=(-1, 0)),
-}
+    # fp8 caches (issue #60): e4m3 K/V loaded one byte an element and converted per tile, a
+    # descale per (sequence, kv head); an fp8 q as well; e5m2; the paged prefill over fp8
+    "contiguous_tq1_fp8": dict(paged=0, Tq=1, split=True, cache_fp8=1),
+    "contiguous_tq1_fp8_q": dict(paged=0, Tq=1, split=True, cache_fp8=1, q_fp8=1),
+    "contiguous_tq1_e5m2": dict(paged=0, Tq=1, split=True, cache_fp8=2),
+    "paged16_tq1_fp8": dict(paged=16, Tq=1, split=True, cache_fp8=1),
+    "hf_layout_key_mask_tq1_fp8": dict(paged=0, Tq=1, split=True, hf=True, cache_fp8=1),
+    "paged16_varlen_tq64_causal_fp8": dict(paged=16, Tq=64, split=False, varlen=True,
+                                           window=(-1, 0), cache_fp8=1),
+}  # fmt: skip
+FP8_TYPES = {1: "float8_e4m3fn", 2: "float8_e5m2"}
 
 
 def _load_tool(path: str):
@@ -78,22 +88,27 @@ def launch_args(name: str):
     c = CASES[name]
     Tq, page = c["Tq"], c["paged"]
     group = HQ // HKV
+    cache_fp8, q_fp8 = c.get("cache_fp8", 0), c.get("q_fp8", 0)
     cfg = K.decode_config(group * Tq, D, D, True)
     bf16 = dict(dtype=torch.bfloat16)
+    cache_type = dict(dtype=getattr(torch, FP8_TYPES[cache_fp8])) if cache_fp8 else bf16
+    q_type = dict(dtype=getattr(torch, FP8_TYPES[q_fp8])) if q_fp8 else bf16
     B = 1
     varlen = bool(c.get("varlen"))
-    q = torch.empty(B * Tq, HQ, D, **bf16) if varlen else torch.empty(B, Tq, HQ, D, **bf16)
+    q = torch.empty(B * Tq, HQ, D, **q_type) if varlen else torch.empty(B, Tq, HQ, D, **q_type)
     if page:
-        kc = torch.empty(B * S // page, page, HKV, D, **bf16)
+        kc = torch.empty(B * S // page, page, HKV, D, **cache_type)
         table = torch.empty(B, S // page, dtype=torch.int32)
     elif c.get("hf"):
-        kc = torch.empty(B, HKV, S, D, **bf16).transpose(1, 2)
+        kc = torch.empty(B, HKV, S, D, **cache_type).transpose(1, 2)
         table = None
     else:
-        kc = torch.empty(B, S, HKV, D, **bf16)
+        kc = torch.empty(B, S, HKV, D, **cache_type)
         table = None
+    descale = torch.empty(B, HKV) if cache_fp8 else None  # per (sequence, kv head)
+    q_descale = torch.empty(B, HKV) if q_fp8 else None
     key_mask = torch.empty(B, S, dtype=torch.bool) if c.get("hf") else None
-    out = torch.empty(q.shape, **bf16)
+    out = torch.empty(q.shape, **bf16)  # an fp8 q's output is bf16
     lse = torch.empty(HQ, B * Tq) if varlen else torch.empty(B, HQ, Tq)
     cu_q = torch.empty(B + 1, dtype=torch.int32) if varlen else None
     q_strides = (0, *q.stride()[:2]) if varlen else q.stride()[:3]
@@ -104,12 +119,14 @@ def launch_args(name: str):
     part_lse = torch.empty(B, HKV, splits, group * Tq) if c["split"] else None
     seqlens = torch.empty(B, dtype=torch.int32)
     left, right = c.get("window", (-1, -1))
+    d_strides = (HKV, 1) if cache_fp8 else (0, 0)
     args = (
         q, kc, kc, out, lse, part_o, part_lse, seqlens, None, table, None, None, key_mask, cu_q,
+        q_descale, descale, descale,
         *q_strides, *kc.stride()[:3], *kc.stride()[:3], *out_strides, *lse_strides,
         table.stride(0) if page else 0, 0, S if c.get("hf") else 0, Tq, HQ,
         HKV, D, D, group, -(-group * Tq // cfg.block_m), splits, D**-0.5, 0.0, left, right, S,
-        kc.shape[0], 0,
+        kc.shape[0], 0, *((HKV, 1) if q_fp8 else (0, 0)), *d_strides, *d_strides,
     )  # fmt: skip
     constexprs = dict(
         VARLEN_Q=varlen, HAS_LEFTPAD=False, PAGED=bool(page), PAGE_SIZE=page or 1, HAS_LEFT=left >= 0,
@@ -118,6 +135,7 @@ def launch_args(name: str):
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, MASK_BOUNDS=bool(c.get("hf")), MASK_SCAN=1024,
+        Q_FP8=q_fp8, CACHE_FP8=cache_fp8,
     )  # fmt: skip
     return args, constexprs, cfg
 
