@@ -5,7 +5,9 @@
                                  [--compile-jobs N]
 
 Families: attention (incl. a sliding-window and a packed-varlen row), layernorm, rmsnorm,
-softmax, decode (attention over a KV cache, contiguous and paged, and generate tokens/s), model (tokens/s and peak memory of whole models), demo (a training run, naive vs
+softmax, decode (attention over a KV cache, contiguous and paged, and generate tokens/s), fp8
+(decoding over an fp8 cache and the fp8 forward against their bf16 twins and SDPA), model
+(tokens/s and peak memory of whole models), demo (a training run, naive vs
 fused). Default: all of them on a GPU; on a CPU all but demo (the demo trains two models for
 700 steps: 58 s measured on the 2-core CPU machine, 2026-11-27; `--only demo` runs it).
 
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention
 import bench_decode
 import bench_demo
+import bench_fp8
 import bench_layernorm
 import bench_model
 import bench_rmsnorm
@@ -50,6 +53,7 @@ FAMILIES = {
     "rmsnorm": (bench_rmsnorm.run, "rmsnorm.csv"),
     "softmax": (bench_softmax.run, "softmax.csv"),
     "decode": (bench_decode.run, "decode.csv"),
+    "fp8": (bench_fp8.run, "fp8.csv"),
     "model": (bench_model.run, "model.csv"),
     "demo": (bench_demo.run, "demo.csv"),
 }

@@ -15,6 +15,9 @@
 #           cut at 300 s with 444 of the 600 Triton tests and all 200 CUDA ones run, before
 #           the tests ran on work-stealing workers)
 #   measure build tune-triton bench-norms bench-model host (fits one call)
+#   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
+#           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
+#           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
 # and, on request only, profile (per-kernel times and an ncu report of the CUDA attention),
 # tune-cuda (the CUDA attention tile variants, FUSEDATTN_TUNING=1), tune-cuda-bwd (the CUDA
 # attention's fused backward against its two-kernel one, ~60 s), tune-norms (the Triton
@@ -43,6 +46,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   next) steps=" build info gpu-tests " ;;  # issue #52's first undone item; see above
   check) steps=" build info bench-attention gpu-tests " ;;
   measure) steps=" build tune-triton bench-norms bench-model host " ;;
+  fp8) steps=" build fp8-tests bench-fp8 " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
 status=0
@@ -119,7 +123,8 @@ gpu_tests() {  # (the selections live here: a step runs in a new bash, which no 
   local triton_tests=(tests/test_attention.py tests/test_attention_tma.py
     tests/test_attention_variants.py tests/test_empty_inputs.py tests/test_layernorm.py
     tests/test_rmsnorm.py tests/test_softmax.py tests/test_swap.py tests/test_decode.py
-    tests/test_decode_values.py tests/test_paged_prefill.py tests/test_cuda_graphs.py)
+    tests/test_decode_values.py tests/test_paged_prefill.py tests/test_cuda_graphs.py
+    tests/test_fp8.py tests/test_huggingface_fp8.py)
   local cuda_tests=(tests/test_cuda_attention.py tests/test_cuda_attention_fused_bwd.py
     tests/test_gpu_backends.py tests/test_dispatch.py tests/test_auto.py)
   if $PYTHON -c "import xdist" 2>/dev/null; then
@@ -181,6 +186,11 @@ step bench-attention 240 $PYTHON benchmarks/run_all.py --quick --no-plots --only
 step gpu-tests 450 gpu_tests
 step bench-decode 300 $PYTHON benchmarks/run_all.py --quick --no-plots --only decode \
   --out "$out_dir"
+# issue #60: the fp8 kernels on the GPU's own fp8 conversions (the CPU interpreter decodes
+# fp8 by hand), then their speed against bf16 and SDPA (quick grid: ~40 timed points)
+step fp8-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
+  -m "gpu or kernels" tests/test_fp8.py tests/test_huggingface_fp8.py
+step bench-fp8 240 $PYTHON benchmarks/run_all.py --quick --no-plots --only fp8 --out "$out_dir"
 step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"

@@ -3,6 +3,7 @@ quick run of each family writing a CSV whose rows pass the k× check."""
 
 import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -118,6 +119,32 @@ def test_run_all_quick_writes_every_family_and_every_row_passes(tmp_path, capsys
         assert any(r["speedup_vs_naive"] not in ("", "1.0") for r in rows)
     assert "reduced CPU suite" in text
     assert "fusedattn-cuda not measured" in text
+
+
+def test_run_all_fp8_family_on_the_cpu(tmp_path, monkeypatch):
+    """The fp8 family (issue #60) in its CPU smoke form: decode rows over a contiguous and a
+    paged fp8 cache and forward rows, every row passing the k× check against float64 on the
+    dequantized values; and with the Triton kernels (through the interpreter here) each fp8
+    row says its speed against its bf16 twin's, as the GPU run's rows will."""
+    import bench_fp8
+    import run_all
+
+    assert run_all.main(["--device", "cpu", "--only", "fp8", "--out", str(tmp_path),
+                         "--no-plots"]) == 0  # fmt: skip
+    rows = harness.read_csv(tmp_path / "fp8.csv")
+    assert all(r["pass"] == "yes" for r in rows)
+    decode = [r for r in rows if r["op"] == "decode"]
+    assert {r["mask"] for r in decode} == {"contiguous", "paged16"}
+    assert {"fusedattn-torch-fp8", "fusedattn-torch"} <= {r["impl"] for r in decode}
+    forward = [r for r in rows if r["op"] == "attention"]
+    assert {r["mask"] for r in forward} == {"fp8"} and float(forward[0]["tflops"]) > 0
+    if not os.environ.get("TRITON_INTERPRET"):
+        return
+    monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
+    env = harness.environment(torch.device("cpu"))
+    rows = bench_fp8.forward_rows(True, torch.device("cpu"), env)[:2]
+    assert [r["impl"] for r in rows] == ["fusedattn-triton", "fusedattn-triton-fp8"]
+    assert all(r["pass"] == "yes" for r in rows) and "the bf16 kernel's speed" in rows[1]["note"]
 
 
 def test_run_all_decode_family_on_the_cpu(tmp_path, capsys):

@@ -18,6 +18,7 @@ import torch
 import fusedattn
 from fusedattn import reference
 from fusedattn.fp8 import FP8_MAX, dequantize_heads, quantize
+from fusedattn.reference.attention import attention_p_rounded
 from fusedattn.testing import assert_close_kx
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -320,42 +321,6 @@ def fp8_inputs(B, Hq, Hkv, Tq, Tk, D, seed=0):
     return out, ds
 
 
-def p_rounded_attention(q, k, v, shift=8.0, **kw):
-    """The fp8 forward's yardstick: naive attention in float32 on the dequantized values with
-    P = exp(s - rowmax) scaled by 2^shift and rounded to float8_e4m3fn for P·V, the normaliser
-    the unrounded sum (the kernels' choice, docs/api.md)."""
-    from fusedattn.masks import make_window, merge_masks
-
-    Hq, Hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(Hq // Hkv, 1)
-    v = v.repeat_interleave(Hq // Hkv, 1)
-    scale = q.shape[-1] ** -0.5
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if kw.get("softcap"):
-        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
-    Tq, Tk = q.shape[2], k.shape[2]
-    window = make_window(kw.get("is_causal", False), kw.get("window_size"),
-                         kw.get("causal_alignment", "top_left"), Tq, Tk)  # fmt: skip
-    if kw.get("alibi_slopes") is not None:
-        offset = Tk - Tq if kw.get("causal_alignment") == "bottom_right" else 0
-        distance = (torch.arange(Tq)[:, None] + offset - torch.arange(Tk)[None, :]).abs()
-        s = s - kw["alibi_slopes"].float()[:, None, None] * distance
-    visible = merge_masks(None, kw.get("key_padding_mask"), False, Tq, Tk, window=window)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    sinks = kw.get("sinks")
-    if sinks is not None:  # one more logit per head in the max and the normaliser
-        m = torch.maximum(m, sinks.float()[:, None, None])
-    m = m.nan_to_num(0.0, neginf=0.0)
-    p = torch.exp(s - m) * 2**shift
-    total = p.sum(-1, keepdim=True)
-    if sinks is not None:
-        total = total + torch.exp(sinks.float()[:, None, None] - m) * 2**shift
-    p8 = p.to(E4M3).float()
-    return torch.matmul(p8, v.float()) / torch.where(total == 0, 1.0, total)
-
-
 FORWARD_CASES = {
     "plain": dict(),
     "causal": dict(is_causal=True),
@@ -393,7 +358,7 @@ def test_the_fp8_forward_against_float64_on_the_dequantized_values(backend, case
                             enable_gqa=True, backend=backend, **kw), None)  # fmt: skip
     qv, kv_, vv = (dequantize_heads(x, d, torch.float64) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
     truth, lse_truth = reference.attention(qv, kv_, vv, enable_gqa=True, return_lse=True, **kw)
-    base = p_rounded_attention(qv.float(), kv_.float(), vv.float(), **kw).bfloat16()
+    base = attention_p_rounded(qv.float(), kv_.float(), vv.float(), **kw).bfloat16()
     assert got.dtype == torch.bfloat16 and got.shape == (B, Hq, Tq, D)
     assert_close_kx(got, truth, base, name="out")
     if lse is not None:

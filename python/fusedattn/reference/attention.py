@@ -25,7 +25,15 @@ from ..checks import (
     paged_key_count,
 )
 from ..fp8 import dequantize_heads, dequantize_packed, is_fp8, output_dtype
-from ..masks import NO_WINDOW, Window, alibi_bias, merge_masks, shift_float_mask, visible_keys
+from ..masks import (
+    NO_WINDOW,
+    Window,
+    alibi_bias,
+    make_window,
+    merge_masks,
+    shift_float_mask,
+    visible_keys,
+)
 from .softmax import safe_softmax
 
 
@@ -69,6 +77,32 @@ def attention_scores(
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
     return scores + mask
+
+
+def attention_p_rounded(
+    q, k, v, *, is_causal=False, window_size=None, causal_alignment="top_left", scale=None,
+    softcap=0.0, key_padding_mask=None, alibi_slopes=None, sinks=None, p_shift=8.0,
+) -> torch.Tensor:  # fmt: skip
+    """The fp8 forward's yardstick (docs/api.md, "FP8"): naive attention in float32 on q, k, v
+    as given (an fp8 call's dequantized values, (B, H, T, D), GQA by head count), computing
+    as the Triton kernel does: P = exp(s - m) scaled by 2^p_shift and rounded to
+    float8_e4m3fn for P·V, the normaliser the unrounded sum (a sink joins the max and the
+    sum). Returns float32 (B, Hq, Tq, Dv)."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    window = make_window(is_causal, window_size, causal_alignment, Tq, Tk)
+    s = attention_scores(q.float(), k.float(), scale=scale, key_padding_mask=key_padding_mask,
+                         window=window, softcap=softcap, alibi_slopes=alibi_slopes)  # fmt: skip
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float()[:, None, None])
+    m = m.nan_to_num(0.0, neginf=0.0)  # a row that sees nothing
+    p = torch.exp(s - m) * 2.0**p_shift
+    total = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sinks.float()[:, None, None] - m) * 2.0**p_shift
+    rounded = p.to(torch.float8_e4m3fn).float()
+    out = torch.matmul(rounded, expand_kv_heads(v.float(), q.shape[1]))
+    return out / torch.where(total == 0, 1.0, total)
 
 
 def log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
