@@ -135,7 +135,7 @@ def launch_args(name: str):
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, MASK_BOUNDS=bool(c.get("hf")), MASK_SCAN=1024,
-        Q_FP8=q_fp8, CACHE_FP8=cache_fp8,
+        Q_FP8=q_fp8, CACHE_FP8=cache_fp8, DOT_F16=bool(cache_fp8),
     )  # fmt: skip
     return args, constexprs, cfg
 

@@ -175,14 +175,15 @@ DECODE_CASES = {
 }
 
 
-def decode_case(backend, dtype, layout, q_dtype, case, kind="per_head", page_size=4):
+def decode_case(backend, dtype, layout, q_dtype, case, kind="per_head", page_size=4,
+                q_scale=1.0):  # fmt: skip
     kw = dict(DECODE_CASES[case])
     Tq, Hkv = kw.pop("Tq", 1), kw.pop("Hkv", 2)
     B, S, Hq, D = 3, 13, 4, 16
     kc, vc, table = fp8_cache(B, S, Hkv, D, dtype, layout, page_size)
     kd, vd = descales(kind, B, Hkv, 4)
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(B, Tq, Hq, D, generator=g)
+    q = torch.randn(B, Tq, Hq, D, generator=g) * q_scale
     seqlens = torch.tensor([0, 7, S], dtype=torch.int32)  # empty, partial, full
     qd = None
     if kw.pop("sinks", False):
@@ -243,6 +244,19 @@ def test_decoding_with_every_q_dtype_and_descale_kind(backend, q_dtype, kind):
     """q in float16, float32 (the output in q's dtype) or fp8 with q_descale (bfloat16 out),
     over a cache descaled per tensor or per (sequence, kv head)."""
     decode_case(backend, E4M3, "contiguous", q_dtype, "plain", kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "q_dtype,q_scale",
+    [(torch.bfloat16, 0.0), (torch.bfloat16, 1e-5), (torch.bfloat16, 5e4), (torch.float16, 3e3)],
+    ids=str,
+)
+def test_decoding_over_an_fp8_cache_with_a_q_of_any_magnitude(backend, q_dtype, q_scale):
+    """The Triton kernel multiplies in fp16 over an fp8 cache, q scaled by a power of two
+    into fp16's range: a bf16 q of 5e4 (past fp16's 65504 once multiplied by its randn),
+    of 1e-5 (fp16's subnormals unscaled) and of zeros give what the float64 reference gives."""
+    decode_case(backend, E4M3, "contiguous", q_dtype, "causal_tq3", q_scale=q_scale)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

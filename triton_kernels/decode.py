@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .attention import _dot, _tanh
-from .fp8 import fp8_bits, fp8_to_float
+from .fp8 import fp8_bits, fp8_to_f16, fp8_to_float
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,11 @@ def decode_config(rows: int, D: int, Dv: int, on_gpu: bool) -> DecodeConfig:
     at least; more than 64 rows (chunked prefill through the cache) take several query
     blocks. On a GPU: 64 keys per tile (32 past a head dim of 128, to stay in registers), 4
     warps, 3 stages so two K/V tiles are in flight while one is used (untimed: the decode
-    benchmark decides). The CPU interpreter takes 16-key tiles so that tests cross tiles,
-    pages and splits at small sizes."""
+    benchmark decides). An fp8 cache keeps the 64 keys: 128 (the same bytes a tile as a
+    16-bit cache) cut the contiguous loop's instructions per key by 16 % on the sm_90 screen
+    but spilled for a paged-16 cache and the paged prefill (benchmarks/results/sm90-static/
+    README.md). The CPU interpreter takes 16-key tiles so that tests cross tiles, pages and
+    splits at small sizes."""
     bd = max(16, triton.next_power_of_2(D))
     bdv = max(16, triton.next_power_of_2(Dv))
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
@@ -153,7 +156,7 @@ def attention_decode(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_BOUNDS: tl.constexpr = False, MASK_SCAN: tl.constexpr = 1024,
-    Q_FP8: tl.constexpr = 0, CACHE_FP8: tl.constexpr = 0,
+    Q_FP8: tl.constexpr = 0, CACHE_FP8: tl.constexpr = 0, DOT_F16: tl.constexpr = False,
 ):  # fmt: skip
     """One (sequence b, kv head hk, query block, key split) program. K strides: (sequence,
     position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
@@ -174,10 +177,19 @@ def attention_decode(
     then not read.
 
     CACHE_FP8 (1 float8_e4m3fn, 2 float8_e5m2): K and V hold fp8, one byte an element read
-    as such, each tile converted in registers to q's dtype (exactly: every fp8 value is a
-    bf16, fp16 and fp32 value); a stored element means stored × descale, the descales one
-    value per (sequence, kv head) (strides 0: one value) folded into the scores' scale and
-    the output. Q_FP8 (same codes): q is fp8 too, with Q_DESCALE, computed in bf16.
+    as such, each tile converted in registers (exactly: every fp8 value is an fp16, bf16 and
+    fp32 value); a stored element means stored × descale, the descales one value per
+    (sequence, kv head) (strides 0: one value) folded into the scores' scale and the output.
+    Q_FP8 (same codes): q is fp8 too, with Q_DESCALE. DOT_F16 (an fp8 cache under a 16-bit or
+    fp8 q): both products in fp16, whatever q's 16-bit type. fp8 converts to fp16 in one
+    instruction per two elements where bf16 takes four (e4m3 -> f16 -> f32 -> bf16: the
+    sm_90 screen's key loop, 860 instructions per iteration against the bf16 cache's 459,
+    would issue about as long as its 16 KB take to arrive at the copy rate). q joins them
+    scaled by a power of two, 2^e with max|q| 2^e in [2^14, 2^15) for the program's rows
+    (exact, never past fp16's 65504; 2^-e goes into the scale); p = 2^(s - m + 8) scaled by
+    2^8 (folded into exp2's argument, out of fp16's subnormals down to 2^-22 of the row's
+    maximum; the normaliser sums the same scaled p and the lse takes the 8 back). fp16's 10
+    mantissa bits carry q and p more exactly than bf16's 7.
 
     L_b = SEQLENS_K[b] + seqlen_add (the keys an append in the same step adds: its lengths
     tensor is read as it was, no add on the host). Whatever the values of the lengths and the block table (checked on the host only on
@@ -218,6 +230,14 @@ def attention_decode(
     if Q_FP8:
         q = fp8_to_float(q, Q_FP8 == 2, INTERPRETED).to(tl.bfloat16)
         scale = scale * tl.load(Q_DESCALE + b * sqd_b + hk * sqd_h)
+    P_SHIFT: tl.constexpr = 8.0 if DOT_F16 else 0.0
+    if DOT_F16:  # q into fp16 by a power of two (see the docstring)
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        e = 14 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+        e = tl.minimum(tl.maximum(e, -126), 126)  # an all-zero q: any scale
+        q = (qf * ((e + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        scale = scale * ((127 - e) << 23).to(tl.float32, bitcast=True)
     if MASK_BOUNDS:  # the keys run from the mask row's first visible position to its last
         seq_start, seq_end = _mask_bounds(KEY_MASK, b, skm_b, capacity, MASK_SCAN)
     else:
@@ -247,7 +267,7 @@ def attention_decode(
         m_i = (
             tl.load(SINKS + h, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         )
-        l_i = tl.where(row_ok, 1.0, 0.0)
+        l_i = tl.where(row_ok, 2.0**P_SHIFT, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # How a paged cache is read: a tile inside one page takes one block-table entry; a tile of
     # whole pages takes one entry per page and loads (pages, slots, D) blocks (sm_90, page 16:
@@ -272,7 +292,9 @@ def attention_decode(
             )  # fmt: skip
             kt = tl.load(K + k_row[None, :] + hk * sk_h + d[:, None],
                          mask=col_ok[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-        if CACHE_FP8:
+        if DOT_F16:
+            kt = fp8_to_f16(kt, CACHE_FP8 == 2, INTERPRETED)
+        elif CACHE_FP8:
             kt = fp8_to_float(kt, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
         qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
         if SOFTCAP:
@@ -292,18 +314,20 @@ def attention_decode(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s - (m_safe - P_SHIFT)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not WHOLE_PAGES:
             vt = tl.load(V + v_row[:, None] + hk * sv_h + dv[None, :],
                          mask=col_ok[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
-        if CACHE_FP8:
+        if DOT_F16:
+            vt = fp8_to_f16(vt, CACHE_FP8 == 2, INTERPRETED)
+        elif CACHE_FP8:
             vt = fp8_to_float(vt, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION, DOT_IN_FP32)
         m_i = m_new
     seen = l_i > 0.0
     out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
-    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)) - P_SHIFT, float("-inf"))
     if SPLIT:
         part = ((b * Hkv + hk) * num_splits + split) * n_rows + rows
         tl.store(PART_O + part.to(tl.int64)[:, None] * Dv + dv[None, :], out,

@@ -91,3 +91,12 @@ def fp8_to_float(x, E5M2: tl.constexpr, INTERPRETED: tl.constexpr):
     else:
         value = tl.where((e == 15) & (m == 7), 0x7FC00000, value)
     return (value | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_to_f16(x, E5M2: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp8 x as fp16 (exact): one cvt per two elements on a GPU, the bits decoded in the
+    interpreter."""
+    if not INTERPRETED:
+        return x.to(tl.float16)
+    return fp8_to_float(x, E5M2, INTERPRETED).to(tl.float16)

@@ -118,6 +118,10 @@ class TritonDecode:
         if k_cache.dtype in FP8_CODES:  # an fp8 cache, read as bytes and converted per tile
             self.decode_constexprs.update(CACHE_FP8=FP8_CODES[k_cache.dtype],
                                           Q_FP8=FP8_CODES.get(q.dtype, 0))  # fmt: skip
+            if q.dtype != torch.float32:  # the products in fp16 (attention_decode's DOT_F16)
+                self.decode_constexprs["DOT_F16"] = True
+                if interpreted:  # the interpreter's fp16 dot: fp32 (exact products)
+                    self.decode_constexprs["DOT_IN_FP32"] = True
             self.out_dtype = torch.bfloat16 if q.dtype in FP8_CODES else q.dtype
         if mask_bounds:  # the keys' bounds from the key mask, found by each program
             scan = 16 if interpreted else min(1024, max(16, 1 << (capacity - 1).bit_length()))
