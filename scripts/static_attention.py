@@ -190,7 +190,9 @@ def matrix_loops(listing: list[tuple[int, str]]) -> list[dict]:
         if not m or int(m.group(1), 16) >= addr or int(m.group(1), 16) not in index:
             continue
         target = index[int(m.group(1), 16)]
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in sass[target : i + 1]]
+        ops = [
+            re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in sass[target : i + 1]
+        ]
         c = collections.Counter(ops)
         mma = sum(c[k] for k in MATRIX_OPS)
         if mma:
