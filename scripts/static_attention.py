@@ -65,6 +65,7 @@ VARIANTS = {
     ),
 }
 KERNELS = ("fwd", "dkdv", "dq")
+SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")  # as sm90_static.loops reads cuobjdump
 
 
@@ -161,6 +162,12 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
         shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)",
                             compiled.asm["ptx"])  # fmt: skip
         row["wgmma_shapes"] = "; ".join(sorted({f"{m} {a}x{b}" for m, a, b in shapes}))
+    ttgir = compiled.asm.get("ttgir", "")
+    if t.warp_spec:  # did Triton's Hopper pass apply? (num_warps then counts every partition)
+        row["warp_specialized"] = "ttg.warp_specialize" in ttgir
+    row["fits_smem"] = row.get("shared_bytes", 0) <= SMEM_LIMIT
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", compiled.asm["ptx"])
+    row["wgmma_wait_depths"] = "/".join(sorted(set(waits))) or "-"
     loops = matrix_loops(listing)
     elements = t.block_m * t.block_n
     row["loops"] = " | ".join(

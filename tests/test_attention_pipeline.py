@@ -14,6 +14,7 @@ from hard_shapes import AttentionShape, make_qkv
 from kx_check import assert_op_kx
 from test_attention_tma import tma_forward  # noqa: F401 (the fixture, used by name)
 from test_attention_variants import SHAPES, VARIANTS, check, variant_inputs
+from tiles_patch import patch_attention_config
 
 import fusedattn
 from fusedattn.ops.attention.triton_args import TritonAttentionLaunch
@@ -31,16 +32,14 @@ GPU_REASON = "the pipelined loop runs on 8-warp tiles only (ptxas segfaulted at 
 
 def with_pipeline(monkeypatch, on: bool):
     """Every Triton forward from here on runs (on=True) or skips the pipelined loop, on a GPU
-    only where its tiles have 8 warps."""
-    original = K.attention_config
+    only where its tiles have 8 warps (in plans of its own: tiles_patch)."""
 
-    def config(D, Dv, on_gpu, **kw):
-        cfg = original(D, Dv, on_gpu, **kw)
+    def config(cfg, D, Dv, on_gpu, **kw):
         if on_gpu and cfg.fwd.num_warps < 8:
             return cfg
         return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, pipeline=on))
 
-    monkeypatch.setattr(K, "attention_config", config)
+    patch_attention_config(monkeypatch, config)
 
 
 @pytest.fixture

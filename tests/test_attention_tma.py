@@ -12,6 +12,7 @@ import torch
 from hard_shapes import AttentionShape, make_qkv
 from kx_check import assert_op_kx
 from test_attention_variants import VARIANTS, variant_inputs
+from tiles_patch import patch_attention_config
 
 import fusedattn
 from fusedattn import reference
@@ -30,13 +31,11 @@ def tma_forward(monkeypatch):
     device = torch.get_default_device()
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("tensor descriptors need sm_90 or later")
-    original = K.attention_config
 
-    def with_tma(D, Dv, on_gpu, **kw):
-        cfg = original(D, Dv, on_gpu, **kw)
+    def with_tma(cfg, *args, **kwargs):
         return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, tma=True))
 
-    monkeypatch.setattr(K, "attention_config", with_tma)
+    patch_attention_config(monkeypatch, with_tma)
 
 
 def launch_flags(q, k, v, **kw):

@@ -107,15 +107,12 @@ def merged_dkdv_boundaries(monkeypatch):
     default until a GPU times it, so its correctness is checked here."""
     import dataclasses
 
-    from fusedattn.triton_kernels import attention as A
+    from tiles_patch import patch_attention_config
 
-    config = A.attention_config
-
-    def merged(*args, **kwargs):
-        cfg = config(*args, **kwargs)
+    def merged(cfg, *args, **kwargs):
         return dataclasses.replace(cfg, dkdv=dataclasses.replace(cfg.dkdv, merge=True))
 
-    monkeypatch.setattr(A, "attention_config", merged)
+    patch_attention_config(monkeypatch, merged)
 
 
 @pytest.mark.slow

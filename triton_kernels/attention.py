@@ -47,11 +47,15 @@ class Tiles:
     warpgroup arrive/wait pairs per iteration against 4), but the merged loop spills in some
     variants (benchmarks/results/sm90-static/); attention_config turns it on where the H100
     timed it faster; pipeline: the forward's interior loop runs each tile's softmax while the
-    tensor cores work on the neighbouring tiles' products (_fwd_tiles; forward only).
+    tensor cores work on the neighbouring tiles' products (_fwd_tiles; forward only);
+    warp_spec: the forward's interior loop warp-specialized by Triton's Hopper pass
+    (`tl.range(warp_specialize=True)`: producer warps issue the K/V copies through tensor
+    descriptors made in the kernel, consumer warpgroups compute), which Triton 3.6 applies
+    with 4 warps only (attention_fwd's WARP_SPEC).
 
-    Written as BMxBNwWARPSsSTAGES plus a flag letter each for tma (t), merge (m) and
-    pipeline (p), as the tuning and screening scripts take them: `Tiles.parse("128x64w8s3p")`,
-    `.spec`."""
+    Written as BMxBNwWARPSsSTAGES plus a flag letter each for tma (t), merge (m), pipeline (p)
+    and warp_spec (w), as the tuning and screening scripts take them:
+    `Tiles.parse("128x64w8s3p")`, `.spec`."""
 
     block_m: int
     block_n: int
@@ -60,21 +64,27 @@ class Tiles:
     tma: bool = False
     merge: bool = False
     pipeline: bool = False
+    warp_spec: bool = False
 
     @property
     def spec(self) -> str:
-        flags = "t" * self.tma + "m" * self.merge + "p" * self.pipeline
+        flags = "t" * self.tma + "m" * self.merge + "p" * self.pipeline + "w" * self.warp_spec
         return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{flags}"
 
     @classmethod
     def parse(cls, spec: str, kernel: str | None = None) -> Tiles:
         """The tiles a spec names; ValueError for a malformed one, or (given the kernel: fwd,
         dkdv or dq) a flag that kernel does not have."""
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)(m?)(p?)", spec)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)(m?)(p?)(w?)", spec)
         if not m:
-            raise ValueError(f"tiles look like 128x64w8s3 plus flags t, m, p; got {spec!r}")
+            raise ValueError(f"tiles look like 128x64w8s3 plus flags t, m, p, w; got {spec!r}")
         tiles = cls(*(int(g) for g in m.groups()[:4]), *(bool(g) for g in m.groups()[4:]))
-        allowed = {"fwd": "tp", "dkdv": "m", "dq": ""}.get(kernel, "tmp")
+        allowed = {"fwd": "tpw", "dkdv": "m", "dq": ""}.get(kernel, "tmpw")
+        if tiles.warp_spec and (tiles.tma or tiles.pipeline or tiles.num_warps != 4):
+            raise ValueError(
+                "warp-specialized tiles (w) take 4 warps, their own in-kernel "
+                f"descriptors (no t) and Triton's schedule (no p): {spec!r}"
+            )
         if set(spec[m.end(4) :]) - set(allowed):
             raise ValueError(f"{kernel} tiles take the flags {allowed or 'none'!r}: {spec!r}")
         return tiles
@@ -443,8 +453,9 @@ def _fwd_scores(
     MASK_IN_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """log2-domain scores of the key tile at start_n. USE_TMA: K_head is the (B, Hkv, Tk, D)
-    tensor descriptor, whose copies zero-fill past Tk and D (no bounds masks); otherwise a
-    pointer to this head's row 0.
+    tensor descriptor, whose copies zero-fill past Tk and D (no bounds masks); 2: this
+    head's (k_len, D) descriptor made in the kernel (WARP_SPEC); otherwise a pointer to this
+    head's row 0.
 
     MASK_IN_DOT (attn_mask without softcap, scale != 0: the launcher decides): the mask enters
     as the dot's accumulator, mask / scale (a bool mask as 0 / -inf), so q·k + mask / scale
@@ -456,7 +467,9 @@ def _fwd_scores(
     -2.4e38, through log2(e)): a row whose every key has one gives 0, where float64 averages
     them. Keeping it finite cost ~25 % more instructions per masked iteration."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    if USE_TMA:
+    if USE_TMA == 2:  # the head's own (Tk, D) descriptor, made in the kernel
+        kt = tl.trans(K_head.load([start_n, 0]))
+    elif USE_TMA:
         at = [b.to(tl.int32), hk.to(tl.int32), start_n, 0]  # 32-bit coordinates
         kt = tl.trans(K_head.load(at).reshape(BLOCK_N, BLOCK_D))
     else:
@@ -514,8 +527,11 @@ def _fwd_pv(
     interpreter onto the fp8 grid in fp32 first: its own conversion misrounds)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
-        v = V_head.load([b.to(tl.int32), hk.to(tl.int32), start_n, 0])
-        v = v.reshape(BLOCK_N, BLOCK_DV)
+        if USE_TMA == 2:  # the head's own (Tk, Dv) descriptor (WARP_SPEC)
+            v = V_head.load([start_n, 0])
+        else:
+            v = V_head.load([b.to(tl.int32), hk.to(tl.int32), start_n, 0])
+            v = v.reshape(BLOCK_N, BLOCK_DV)
         if HAS_KPM:  # a padded key never contributes, even a NaN in its value
             keep = _key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL)
             v = tl.where(keep, v, 0.0)
@@ -541,9 +557,10 @@ def _fwd_tiles(
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    FP8: tl.constexpr = False,
+    FP8: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):  # fmt: skip
-    """The online-softmax update of key tiles [lo, hi) (FP8: see attention_fwd).
+    """The online-softmax update of key tiles [lo, hi) (FP8: see attention_fwd; WARP_SPEC:
+    the loop warp-specialized, see Tiles).
 
     PIPELINE: tile j's softmax runs in the iteration that issues tile j+1's Q·K^T, and its P·V
     is issued last, so neither product is waited on before the softmax that does not need it.
@@ -588,7 +605,7 @@ def _fwd_tiles(
                 USE_TMA, BLOCK_N, BLOCK_DV, FP8, INTERPRETED,
             )  # fmt: skip
     else:
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
             start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
             s = _fwd_scores(
                 q, K_head, sk_t, start_n, rows, d, b, h, hk, q_len, k_len, offset, slope2,
@@ -621,9 +638,15 @@ def attention_fwd(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False, FP8: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False,
 ):  # fmt: skip
     """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
     D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
+    WARP_SPEC (Tiles.warp_spec; pointers passed, no USE_TMA): the kernel makes each head's
+    (T, D) K and V descriptors itself (Triton 3.6's warp specialization takes only those:
+    host descriptors fail to compile, triton-lang/triton#7658; they need the global scratch
+    allocator, triton_args.ensure_scratch_allocator) and the interior key loop runs
+    warp-specialized; varlen works the same (a sequence's rows are its descriptor).
     PIPELINE (Tiles.pipeline): the interior loop overlaps each tile's softmax with the tensor
     cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain. MASK_IN_DOT: the
     attn_mask enters through the dot's accumulator (_fwd_scores).
@@ -633,9 +656,9 @@ def attention_fwd(
     sequence and kv head, or one for all with strides 0): q's and k's fold into the scores'
     scale, v's into the output. P is rounded to float8_e4m3fn for P·V, as flash-attention 3
     does, scaled by 2^8 first (P_SHIFT: exp2's argument gains 8, free) so that probabilities
-    down to 2^-17 of the row's maximum keep e4m3's 3 mantissa bits instead of flushing below
-    its 2^-9; the normaliser sums the same scaled p, so the output needs no correction and
-    the lse subtracts 8."""
+    down to 2^-14 of the row's maximum keep e4m3's 3 mantissa bits (subnormal down to 2^-17)
+    instead of flushing below its 2^-9; the normaliser sums the same scaled p, so the output
+    needs no correction and the lse subtracts 8."""
     bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
     b = bh // H
     h = bh % H
@@ -649,7 +672,15 @@ def attention_fwd(
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     row_ptr = (q_start + rows).to(tl.int64)
-    if USE_TMA:  # descriptor coordinates are 32-bit
+    if WARP_SPEC:  # q through a descriptor too: loaded by pointer, Triton 3.6's warp
+        # specialization asserts (WSLowerToken, processProducerCommitOp)
+        q = tl.make_tensor_descriptor(
+            Q + b * sq_b + h * sq_h + q_start * sq_t,
+            shape=[q_len, D],
+            strides=[sq_t, 1],
+            block_shape=[BLOCK_M, BLOCK_D],
+        ).load([start_m, 0])
+    elif USE_TMA:  # descriptor coordinates are 32-bit
         q = Q.load([b.to(tl.int32), h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
         q = tl.load(Q + b * sq_b + h * sq_h + row_ptr[:, None] * sq_t + d[None, :],
@@ -671,7 +702,21 @@ def attention_fwd(
         m_i = tl.full([BLOCK_M], 1.0, tl.float32) * sink2
         l_i = tl.full([BLOCK_M], P_ONE, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if USE_TMA:
+    TMA_MODE: tl.constexpr = 2 if WARP_SPEC else (1 if USE_TMA else 0)
+    if WARP_SPEC:  # this head's K/V rows as descriptors (zero-filled past k_len and D)
+        K_head = tl.make_tensor_descriptor(
+            K + b * sk_b + hk * sk_h + k_start * sk_t,
+            shape=[k_len, D],
+            strides=[sk_t, 1],
+            block_shape=[BLOCK_N, BLOCK_D],
+        )
+        V_head = tl.make_tensor_descriptor(
+            V + b * sv_b + hk * sv_h + k_start * sv_t,
+            shape=[k_len, Dv],
+            strides=[sv_t, 1],
+            block_shape=[BLOCK_N, BLOCK_DV],
+        )
+    elif USE_TMA:
         K_head = K
         V_head = V
     else:
@@ -682,16 +727,27 @@ def attention_fwd(
     if HAS_KPM:
         lo, mid_lo, mid_hi, hi = _clip_to_valid_keys(lo, mid_lo, mid_hi, hi, KV_RANGE, b,
                                                      BLOCK_N)  # fmt: skip
-    for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
-        first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
+    if WARP_SPEC:  # one loop over every tile, masks and all: Triton 3.6's warp-specialization
+        # pass fails (PassManager) on a kernel whose loop has neighbours (static_attention.py)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
+            acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
             b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
             window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
-            dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
-            PIPELINE and part == 1, MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8,
+            dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, TMA_MODE, False,
+            MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8, True,
         )  # fmt: skip
+    else:
+        for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
+            first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
+                b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
+                window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
+                dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED,
+                TMA_MODE, PIPELINE and part == 1, MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8,
+            )  # fmt: skip
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if USE_TMA:  # the copy clips rows past Tq and columns past Dv
         Out.store(

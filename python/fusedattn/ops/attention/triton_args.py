@@ -13,7 +13,7 @@ import copy
 import torch
 
 from ..core import triton_launch
-from ..core.kernels import device_arch, dot_flags, kernels
+from ..core.kernels import device_arch, dot_flags, ensure_scratch_allocator, kernels
 
 # fp16/bf16 backward: query blocks that see at most this many keys take the exact delta
 # (attention_bwd_dq's docstring; one or two key tiles on a GPU, not yet timed there)
@@ -74,6 +74,16 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
         if any(st * size % 16 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True) if n > 1):
             return False
     return True
+
+
+def rows_describable(t: torch.Tensor, strides) -> bool:
+    """Whether the kernel can make a tensor descriptor over any (head, sequence) of t's rows
+    (attention_fwd's WARP_SPEC): a 16-byte aligned base, a unit last stride, and the batch,
+    head and row strides it offsets by in multiples of 16 bytes."""
+    size = t.element_size()
+    return (
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any(st * size % 16 for st in strides)
+    )
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int):
@@ -231,6 +241,26 @@ class TritonAttentionLaunch:
         return (q, k, v, out, lse, self.mask, self.kpm, self.kv_range, self.seed, self.slopes,
                 self.sinks, self.cu_q, self.cu_k, *self.descales)  # fmt: skip
 
+    def warp_spec(self, q, k, v) -> bool:
+        """Whether this call's forward runs warp-specialized (its tiles ask for it): inputs
+        whose rows the kernel can describe, 2-byte ones on a GPU (fp32 tiles spilled through
+        descriptors on sm_90; the interpreter takes any, so fp32 tests run the descriptor
+        path exactly); on a GPU the scratch allocator set. Not with an attn_mask, key padding
+        or dropout: Triton 3.6's pass fails on a key loop that loads through pointers (the
+        mask at both screened tiles, the padding at 128x128; dropout unscreened), so those
+        keep the plain loop (benchmarks/results/sm90-static/README.md)."""
+        use = self.use_tma.get("warp_spec")
+        if use is None:
+            use = (
+                (q.element_size() == 2 or not q.is_cuda)
+                and self.mask is None and self.kpm is None and self.scalars[4] == 0.0
+                and all(rows_describable(t, self.strides(t)) for t in (q, k, v))
+            )  # fmt: skip
+            self.use_tma["warp_spec"] = use
+        if use and q.is_cuda:
+            ensure_scratch_allocator()
+        return use
+
     def fwd_args(self, q, k, v, out, lse):
         strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
         tensors = self.fwd_tensors(q, k, v, out, lse)
@@ -247,6 +277,8 @@ class TritonAttentionLaunch:
             constexprs["FP8"] = True
         if self.cfg.fwd.pipeline:
             constexprs["PIPELINE"] = True
+        if self.cfg.fwd.warp_spec and self.warp_spec(q, k, v):
+            constexprs["WARP_SPEC"] = True
         scale, softcap = self.scalars[0], self.scalars[1]
         if self.mask is not None and softcap == 0.0 and scale != 0.0:
             constexprs["MASK_IN_DOT"] = True  # the mask as the dot's accumulator (_fwd_scores)

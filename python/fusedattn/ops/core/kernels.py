@@ -102,3 +102,20 @@ def dense_params(t: torch.Tensor | None) -> torch.Tensor | None:
 def fp32_params(t: torch.Tensor | None) -> torch.Tensor | None:
     """The CUDA kernels read parameters as contiguous fp32 (n elements: a negligible copy)."""
     return None if t is None else t.float().contiguous().view(-1)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for a Triton kernel's launch, from torch's caching allocator on the
+    current device (the tensor descriptors a kernel makes for itself live there)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Kernels that make tensor descriptors in the kernel (the warp-specialized attention
+    forward) need global scratch, which Triton asks triton.set_allocator's allocator for at
+    launch: set torch's where none is set (a user's own stays)."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
