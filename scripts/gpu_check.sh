@@ -15,6 +15,13 @@
 #           cut at 300 s with 444 of the 600 Triton tests and all 200 CUDA ones run, before
 #           the tests ran on work-stealing workers)
 #   measure build tune-triton bench-norms bench-model host (fits one call)
+#   hopper  build tune-hopper tiles bench-attention (issue #61, one call of at most 8 minutes
+#           with GPU_CHECK_DEADLINE=470: every Triton tile candidate — the pipelined (p) and
+#           warp-specialized (w) forwards among them — checked against float64 on the GPU,
+#           then timed against the shipped tiles and SDPA's cuDNN and flash at D 64/128,
+#           T 1k/4k/16k, causal or not; build_tile_table.py writes the winners into
+#           triton_kernels/attention_tiles.py (a copy in OUT to commit) and bench-attention
+#           times the whole op with them for auto's table; a second call if it was cut)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
@@ -47,6 +54,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   check) steps=" build info bench-attention gpu-tests " ;;
   measure) steps=" build tune-triton bench-norms bench-model host " ;;
   fp8) steps=" build fp8-tests bench-fp8 " ;;
+  hopper) steps=" build tune-hopper tiles bench-attention " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
 status=0
@@ -173,6 +181,12 @@ if ! $PYTHON -c "import setuptools, sys; sys.exit(int(setuptools.__version__.spl
 fi
 step build 150 $PYTHON -m pip install --no-build-isolation --no-deps -e . || exit 1
 step info 20 $PYTHON -m fusedattn.info
+# issue #61: the tile candidates against float64, the shipped tiles and cuDNN/flash; then the
+# tile table from the winners (the tree's copy, so bench-attention below runs them)
+step tune-hopper 300 $PYTHON scripts/tune_triton_attention.py --cases d128,d128c,d64,d64c \
+  --lengths 1024,4096,16384 --baselines --jobs 16 --out "$out_dir"
+step tiles 20 bash -c "$PYTHON scripts/build_tile_table.py '$out_dir/tune_triton_attention.csv' \
+  && cp triton_kernels/attention_tiles.py '$out_dir/'"
 # The whole-op attention benchmark first: auto's attention routing waits on it (issue #15).
 # 19 cases. On the H100 (2026-11-26) the T=1024 half alone filled 200 s; by our estimate
 # most of it Triton compiling 30-50 kernel specialisations one after another (~3.5 s each

@@ -11,10 +11,17 @@ or bf16, without and with causal (the benchmark's `dense` rows): the masked loop
 screen reshaped (attention_triton_mask_loops.csv), the pipelined forward with a mask included.
 
 For each kernel (fwd, dq, dkdv) and each candidate tiling (the shipped one first), at the
-H200 comparison points (bf16, B=4, H=16, T=4096; D=128 and 64, causal and not): the kernel's
-median time (triton.testing.do_bench), TFLOP/s, the speedup over the shipped tiles, and the
-largest difference of its output from the shipped tiles' output (a tiling changes rounding
-order only: a large difference is a bug). Writes tune_triton_attention.csv into DIR.
+H200 comparison points (bf16, B=4, H=16, T=4096; D=128 and 64, causal and not; `--lengths
+1024,4096,16384` for more, B·T = 16k tokens each): the kernel's median time
+(triton.testing.do_bench), TFLOP/s, the speedup over the shipped tiles, the largest
+difference of its output from the shipped tiles' output (a tiling changes rounding order
+only: a large difference is a bug), and `pass`: the k× rule against float64 on a slice (batch
+0, heads 0-1) of the forward's output or of dq, dk (the backward against the reference's
+autograd), checked before the candidate is timed; a candidate that fails is not timed.
+`--baselines` adds SDPA's cuDNN and flash backends on the same inputs (tiles `sdpa-cudnn`,
+`sdpa-flash`: kernel fwd their forward, kernel bwd their backward), and a `bwd` row of ours
+(the fastest dq plus the fastest dk/dv that passed). Writes tune_triton_attention.csv into DIR;
+`scripts/build_tile_table.py` turns it into the tile table attention_config reads.
 
 Candidates come from the sm_90 static screen (benchmarks/results/sm90-static/): no spills,
 fewer instructions per score element. All of them compile first, in parallel processes
@@ -28,6 +35,7 @@ import argparse
 import concurrent.futures
 import csv
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -110,7 +118,7 @@ def setup(D: int, causal: bool, device, dtype, shape=(B, H, T), softcap=0.0, win
     delta = torch.empty(b, h, t, device=device)
     L = launch()
     L.launch(L.K.attention_fwd, *L.fwd_args(q, k, v, out, lse))
-    bufs = dict(q=q, k=k, v=v, do=do, out=out, lse=lse, delta=delta)
+    bufs = dict(q=q, k=k, v=v, do=do, out=out, lse=lse, delta=delta, mask=attn_mask)
     L.launch(L.K.attention_bwd_dq, *L.dq_args(q, k, v, out, do, lse, delta, torch.empty_like(q),
                                               None, False))  # fmt: skip
     return bufs, launch
@@ -146,8 +154,75 @@ def compile_one(case: str, kernel: str, spec: str | None) -> str:
     return f"{case} {kernel} {spec or 'shipped'}"
 
 
+def reference_slice(bufs, causal, softcap, window, mask):
+    """float64 and same-dtype naive results on batch 0, heads 0-1 (forward output, dq, dk):
+    the yardsticks of the k× rule."""
+    import torch
+
+    from fusedattn import reference
+
+    sl = (slice(0, 1), slice(0, 2))
+    out = {}
+    for name, dtype in (("truth", torch.float64), ("base", bufs["q"].dtype)):
+        q, k, v = (bufs[n][sl].detach().to(dtype).requires_grad_() for n in ("q", "k", "v"))
+        kw = dict(is_causal=causal, softcap=softcap,
+                  window_size=None if window < 0 else (window, 0),
+                  attn_mask=None if bufs["mask"] is None else bufs["mask"][:1].to(
+                      torch.bool if bufs["mask"].dtype == torch.bool else dtype))  # fmt: skip
+        o = reference.attention(q, k, v, **kw)
+        dq, dk = torch.autograd.grad(o, (q, k), bufs["do"][sl].to(dtype))
+        out[name] = dict(fwd=o.detach(), dq=dq, dkdv=dk)
+    return out
+
+
+def verdict(kernel, result, refs) -> str:
+    """'yes' or 'no: ...' by the k× rule on the slice the references cover."""
+    from fusedattn.testing import compare_kx
+
+    got = result[:1, :2]
+    check = compare_kx(got, refs["truth"][kernel], refs["base"][kernel], k=2.0)
+    return "yes" if check.ok else "no: " + check.message[:200]
+
+
+def sdpa_baselines(bufs, causal, mask):
+    """{name: (forward call, backward call)} of SDPA's cuDNN and flash backends on the case's
+    inputs, or those that refuse them left out with a line."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
+        q, k, v = (bufs[n].detach().requires_grad_() for n in ("q", "k", "v"))
+
+        def fwd(backend=backend, q=q, k=k, v=v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=bufs["mask"], is_causal=causal and bufs["mask"] is None
+                )
+
+        try:
+            with torch.no_grad():
+                fwd()
+            o = fwd()
+        except RuntimeError as exc:
+            print(f"  {name}: not run: {str(exc).splitlines()[0][:100]}")
+            continue
+
+        def bwd(o=o, q=q, k=k, v=v):
+            return torch.autograd.grad(o, (q, k, v), bufs["do"], retain_graph=True)
+
+        def fwd_only(fwd=fwd):
+            with torch.no_grad():
+                return fwd()
+
+        out[name] = (fwd_only, bwd)
+    return out
+
+
 def write_rows(rows: list[dict], path: Path) -> None:
-    fields = ["case", "kernel", "tiles", "ms", "tflops", "speedup", "max_diff", "error"]
+    fields = ["arch", "case", "T", "B", "kernel", "tiles", "ms", "tflops", "speedup", "max_diff",
+              "pass", "error"]  # fmt: skip
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -159,15 +234,25 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"of {','.join(CASES)}")
+    parser.add_argument("--lengths", default=str(T),
+                        help="sequence lengths, B = 16384 // T each (default 4096: B=4)")  # fmt: skip
+    parser.add_argument("--kernels", default=",".join(CANDIDATES), help="of fwd,dq,dkdv")
+    parser.add_argument("--baselines", action="store_true",
+                        help="time SDPA's cuDNN and flash backends on the same inputs too")  # fmt: skip
     args = parser.parse_args(argv)
     import torch
 
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from fusedattn.ops.core.kernels import device_arch
+
     device = torch.device("cuda" if gpu else "cpu")
     cases = args.cases.split(",")
-    jobs = [(c, kern, spec) for c in cases for kern, specs in CANDIDATES.items()
+    lengths = [int(t) for t in args.lengths.split(",")]
+    arch = device_arch(device)  # the card's 10 * major + minor (0 on the CPU)
+    candidates = {k: CANDIDATES[k] for k in args.kernels.split(",")}
+    jobs = [(c, kern, spec) for c in cases for kern, specs in candidates.items()
             for spec in [None, *specs]]  # fmt: skip
     # job -> its compiler error (ptxas or Triton's own): not compiled again when timed (ptxas
     # can take a while to crash); any other failure of a child is retried in this process
@@ -188,12 +273,18 @@ def main(argv=None) -> int:
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune_triton_attention.csv"
-    for case in cases:
+    for case, t in itertools.product(cases, lengths):
         D, causal, softcap, window, mask = CASES[case]
         dtype = torch.bfloat16 if gpu else torch.float32
-        shape = (B, H, T) if gpu else (1, 2, 64)
+        shape = (max(1, 16384 // t), H, t) if gpu else (1, 2, 64)
         bufs, launch = setup(D, causal, device, dtype, shape, softcap, window, mask)
-        for kernel, specs in CANDIDATES.items():
+        refs = reference_slice(bufs, causal, softcap, window, mask)
+        where = dict(arch=arch, case=case, T=shape[2], B=shape[0])
+        flops_of = {kernel: FLOPS[kernel] * shape[0] * shape[1]
+                    * visible_pairs(shape[2], causal, window) * D for kernel in FLOPS}  # fmt: skip
+        flops_of["bwd"] = flops_of["dq"] + flops_of["dkdv"]
+        best = {}
+        for kernel, specs in candidates.items():
             shipped_ms = reference = None
             for spec in [None, *specs]:
                 try:
@@ -202,37 +293,70 @@ def main(argv=None) -> int:
                     fn, grid, a, kw, result = kernel_call(kernel, launch(kernel, spec), bufs)
                     call = lambda fn=fn, grid=grid, a=a, kw=kw: fn[grid](*a, **kw)  # noqa: E731
                     call()
-                    if gpu:
-                        import triton.testing
-
-                        ms = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
-                    else:
-                        start = time.perf_counter()
-                        call()
-                        ms = (time.perf_counter() - start) * 1e3
+                    passed = verdict(kernel, result, refs)  # checked before it is timed
+                    ms = time_call(call, gpu) if passed == "yes" else None
                 except Exception as exc:  # a candidate that fails (resources, compile) is reported
-                    print(f"  {case} {kernel} {spec}: failed: {repr(exc)[:200]}", flush=True)
-                    rows.append(dict(case=case, kernel=kernel, tiles=spec, error=repr(exc)[:300]))
+                    print(f"  {case} T={t} {kernel} {spec}: failed: {repr(exc)[:200]}", flush=True)
+                    rows.append(dict(**where, kernel=kernel, tiles=spec, error=repr(exc)[:300]))
                     continue
                 if spec is None:
                     shipped_ms, reference = ms, result.float().clone()
                 err = (result.float() - reference).abs().max().item()
-                b, h, t = shape
-                flops = FLOPS[kernel] * b * h * visible_pairs(t, causal, window) * D
-                row = dict(case=case, kernel=kernel, tiles=spec or "shipped",
-                           ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                           speedup=round(shipped_ms / ms, 3), max_diff=f"{err:.3g}")  # fmt: skip
+                row = dict(**where, kernel=kernel, tiles=spec or "shipped", max_diff=f"{err:.3g}",
+                           **{"pass": passed})  # fmt: skip
+                if ms is not None:
+                    row |= dict(ms=round(ms, 4), tflops=round(flops_of[kernel] / ms / 1e9, 1),
+                                speedup=round(shipped_ms / ms, 3) if shipped_ms else "")  # fmt: skip
+                    if ms < best.get(kernel, (float("inf"),))[0]:
+                        best[kernel] = (ms, spec or "shipped")
                 print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 rows.append(row)
+        if args.baselines:
+            rows += baseline_rows(bufs, causal, mask, where, flops_of, best, gpu)
         write_rows(rows, path)  # after every case: a step cut by its time limit keeps the rest
     print(f"wrote {path}")
-    for case in cases:
-        for kernel in CANDIDATES:
-            mine = [r for r in rows if r["case"] == case and r["kernel"] == kernel and "ms" in r]
+    for case, t in itertools.product(cases, lengths):
+        for kernel in candidates:
+            mine = [r for r in rows if r["case"] == case and r["kernel"] == kernel and "ms" in r
+                    and r["T"] == (t if gpu else 64) and r["tiles"] not in SDPA]  # fmt: skip
             if mine:
-                best = min(mine, key=lambda r: r["ms"])
-                print(f"best {case} {kernel}: {best['tiles']} ({best['speedup']}x the shipped)")
+                top = min(mine, key=lambda r: r["ms"])
+                print(f"best {case} T={t} {kernel}: {top['tiles']} ({top['speedup']}x the shipped)")
     return 0
+
+
+SDPA = ("sdpa-cudnn", "sdpa-flash")
+
+
+def time_call(call, gpu: bool) -> float:
+    if gpu:
+        import triton.testing
+
+        return triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
+    start = time.perf_counter()
+    call()
+    return (time.perf_counter() - start) * 1e3
+
+
+def baseline_rows(bufs, causal, mask, where, flops_of, best, gpu) -> list[dict]:
+    """SDPA's cuDNN and flash forward (kernel fwd) and backward (kernel bwd) on the case's
+    inputs, and our bwd: the fastest passing dq plus the fastest passing dk/dv."""
+    rows = []
+    if "dq" in best and "dkdv" in best:
+        ms = best["dq"][0] + best["dkdv"][0]
+        rows.append(dict(**where, kernel="bwd", tiles=f"{best['dq'][1]}+{best['dkdv'][1]}",
+                         ms=round(ms, 4), tflops=round(flops_of["bwd"] / ms / 1e9, 1),
+                         **{"pass": "yes"}))  # fmt: skip
+    if not gpu:
+        return rows
+    for name, (fwd, bwd) in sdpa_baselines(bufs, causal, mask).items():
+        for kernel, call in (("fwd", fwd), ("bwd", bwd)):
+            ms = time_call(call, gpu)
+            row = dict(**where, kernel=kernel, tiles=name, ms=round(ms, 4),
+                       tflops=round(flops_of[kernel] / ms / 1e9, 1))  # fmt: skip
+            print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The benchmark harness on CPU: FLOP and byte formulas, the CSV schema, speedups, and a real
 quick run of each family writing a CSV whose rows pass the k× check."""
 
+import csv
 import dataclasses
 import importlib.util
 import os
@@ -565,3 +566,77 @@ def test_plots_keep_each_impls_colour_across_panels_and_name_every_impl(tmp_path
     assert set(colours) == {"flash", "naive", "triton"}
     (legend,) = fig.legends
     assert sorted(t.get_text() for t in legend.get_texts()) == ["flash", "naive", "triton"]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_tune_triton_attention_checks_each_candidate_against_float64_before_timing(tmp_path):
+    """scripts/tune_triton_attention.py (gpu_check's hopper preset, issue #61) in its CPU dry
+    run: every forward candidate, warp-specialized and pipelined included, passes the k× check
+    against float64 on its slice and gets a time; the CSV carries the card (arch 0 here) and
+    build_tile_table keeps no CPU row."""
+    tune = _script("tune_triton_attention")
+    assert tune.main(["--out", str(tmp_path), "--cases", "d64c", "--kernels", "fwd",
+                      "--baselines"]) == 0  # fmt: skip
+    rows = list(csv.DictReader((tmp_path / "tune_triton_attention.csv").open()))
+    fwd = [r for r in rows if r["kernel"] == "fwd"]
+    assert {r["tiles"] for r in fwd} == {"shipped", *tune.CANDIDATES["fwd"]}
+    assert all(r["pass"] == "yes" and float(r["ms"]) > 0 and r["arch"] == "0" for r in fwd)
+    table, _ = _script("build_tile_table").choose(rows, 0.02)
+    assert table == {}
+
+
+def test_build_tile_table_takes_a_candidate_only_where_it_passed_and_won_everywhere(tmp_path):
+    """Per card, head-dim block and kernel: the best geometric-mean speedup over the plain and
+    causal cases at every length, among candidates that passed the float64 check at every one
+    of those points, if it beats the shipped tiles by the margin; the table it writes is what
+    attention_config reads."""
+    build = _script("build_tile_table")
+
+    def row(case, T, kernel, tiles, speedup, ok="yes"):
+        return dict(arch="90", case=case, T=str(T), kernel=kernel, tiles=tiles,
+                    speedup=str(speedup), **{"pass": ok})  # fmt: skip
+
+    rows = [row(c, t, "fwd", "shipped", 1.0) for c in ("d128", "d128c") for t in (1024, 4096)]
+    rows += [row(c, t, "fwd", "128x128w4s2w", 1.2) for c in ("d128", "d128c") for t in (1024, 4096)]
+    rows += [
+        row(c, t, "fwd", "128x64w8s3p", 1.5) for c in ("d128",) for t in (1024, 4096)
+    ]  # causal missing
+    rows += [row(c, t, "dq", "128x64w8s3", 1.01) for c in ("d128", "d128c") for t in (1024, 4096)]
+    rows += [row(c, t, "dkdv", "64x64w8s3", 1.3, "no: worse") for c in ("d128", "d128c")
+             for t in (1024, 4096)]  # fmt: skip
+    rows += [row("d128cs", 4096, "fwd", "64x64w4s2", 9.0)]  # softcap: not a choosing case
+    table, notes = build.choose(rows, 0.02)
+    assert table == {90: {128: {"fwd": "128x128w4s2w"}}}
+    assert any("dq: shipped kept" in n for n in notes)
+    assert any("dkdv: no candidate passed everywhere" in n for n in notes)
+    out = tmp_path / "attention_tiles.py"
+    out.write_text(build.render(table, ["t.csv"], notes))
+    namespace = {}
+    exec(out.read_text(), namespace)
+    assert namespace["TABLE"] == table and "128x128w4s2w" in namespace["SOURCE"]
+
+
+def test_attention_config_takes_the_tuned_tiles_of_its_card(monkeypatch):
+    from fusedattn.triton_kernels import attention as A
+    from fusedattn.triton_kernels import attention_tiles
+
+    monkeypatch.setattr(attention_tiles, "TABLE",
+                        {90: {128: {"fwd": "128x128w4s2w", "dkdv": "64x128w8s2m"}}})  # fmt: skip
+    A.attention_config.cache_clear()
+    try:
+        cfg = A.attention_config(128, 128, True, arch=90)
+        assert cfg.fwd.spec == "128x128w4s2w" and cfg.dkdv.spec == "64x128w8s2m"
+        assert cfg.dq == A.attention_config(128, 128, True, arch=80).dq  # not in the table
+        assert A.attention_config(128, 128, True, arch=90, alibi_or_varlen=True).dkdv.merge is False
+        assert A.attention_config(64, 64, True, arch=90).fwd.spec == "128x64w8s3"  # other block
+        assert A.attention_config(128, 128, True, arch=90, elem_bytes=1).fwd.spec == "128x64w8s3"
+    finally:
+        monkeypatch.undo()
+        A.attention_config.cache_clear()

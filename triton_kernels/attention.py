@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import attention_tiles
 from .fp8 import round_to_fp8
 
 LOG2E = 1.4426950408889634
@@ -132,6 +133,9 @@ def attention_config(
       1.14x at D=128 and 1.20x at D=64, unmasked 0.996x and 1.007x. At D=128 the sm_90 screen
       showed ALiBi's and varlen's merged loops spilling 2-3x the causal one's bytes (276 and
       396 B against 140); untimed, they keep three loops (alibi_or_varlen).
+    - A card with tuned tiles in attention_tiles.TABLE (scripts/build_tile_table.py from a
+      tuning run) takes them for 2-byte inputs, per head-dim block and kernel, over the
+      above (a merged dk/dv loop still not for ALiBi or varlen).
     - Otherwise 64x64, 4 warps, 2 stages (32-wide key tiles past D=128 to stay in registers).
     - ieee_fp32 (fp32 inputs with TF32 off: the dots run on FMA units, operands in registers):
       32x16 tiles; at 64x64 the D=128 kernels spilled 55-135 KB per thread on sm_90 (Triton
@@ -160,7 +164,14 @@ def attention_config(
         dkdv = Tiles(64, 128, 8, 3, merge=not alibi_or_varlen)
     else:
         dkdv = replace(gpu, merge=True)
-    return AttentionConfig(bd, bdv, fwd=wide, dkdv=dkdv, dq=wide if widest <= 64 else gpu)
+    cfg = AttentionConfig(bd, bdv, fwd=wide, dkdv=dkdv, dq=wide if widest <= 64 else gpu)
+    measured = attention_tiles.TABLE.get(arch, {}).get(widest) if elem_bytes == 2 else None
+    for kernel, spec in (measured or {}).items():  # a tuning run's winners (attention_tiles.py)
+        tiles = Tiles.parse(spec, kernel)
+        if tiles.merge and alibi_or_varlen:  # spilled on the sm_90 screen (above)
+            tiles = replace(tiles, merge=False)
+        cfg = replace(cfg, **{kernel: tiles})
+    return cfg
 
 
 # ---- helpers ---------------------------------------------------------------------------------
