@@ -142,6 +142,7 @@ def test_run_all_fp8_family_on_the_cpu(tmp_path, monkeypatch):
     if not os.environ.get("TRITON_INTERPRET"):
         return
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
+    monkeypatch.setattr(harness, "time_stats", lambda fn, device, reps=1: (fn(), (1.0, 0.0))[1])
     env = harness.environment(torch.device("cpu"))
     rows = bench_fp8.forward_rows(True, torch.device("cpu"), env)[:2]
     assert [r["impl"] for r in rows] == ["fusedattn-triton", "fusedattn-triton-fp8"]
@@ -180,6 +181,12 @@ ON_GPU_THE_BENCH_RUNS = pytest.mark.skipif(
 
 @pytest.mark.slow
 @ON_GPU_THE_BENCH_RUNS
+def interpreter_sized(case):
+    """A bench_attention case the interpreter runs in seconds: 96 tokens (a whole and a cut
+    tile), head dim 16; what the rows test is the harness's paths, not the kernels."""
+    return dataclasses.replace(case, T=min(case.T, 96), D=16)
+
+
 def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     """The GPU-only fusedattn rows of the variant cases, run here through the interpreter so a
     GPU session does not find their bugs: window_size and the same window as a dense mask,
@@ -189,7 +196,7 @@ def test_window_and_varlen_rows_run_the_kernel_paths(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
     monkeypatch.setattr(harness, "time_stats", lambda fn, device, reps=1: (fn(), (1.0, 0.0))[1])
     variants = [
-        c
+        interpreter_sized(c)
         for c in bench_attention.cases(True, torch.device("cpu"))
         if c.mask in ("window", "varlen", "softcap")
     ]
@@ -300,15 +307,19 @@ def test_model_benchmark_kernel_rows_run_through_the_interpreter(monkeypatch):
     import bench_model
 
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
-    monkeypatch.setattr(harness, "time_ms", lambda fn, device, reps=1: (fn(), 1.0)[1])
+    # timing stubbed: one call (bench_model times through time_stats; a stub of time_ms here
+    # once left every row repeated, 90 s of the interpreter)
+    monkeypatch.setattr(harness, "time_stats", lambda fn, device, reps=1: (fn(), (1.0, 0.0))[1])
 
     def one_layer(cfg):  # every layer runs the same kernels: one of each kind is enough
         return dataclasses.replace(cfg, n_encoder_layers=min(cfg.n_encoder_layers, 1),
                                    n_decoder_layers=min(cfg.n_decoder_layers, 1))  # fmt: skip
 
-    small = [dataclasses.replace(c, lengths=(32,), tokens=64, cfg=one_layer(c.cfg))
+    small = [dataclasses.replace(c, lengths=(16,), tokens=32, cfg=one_layer(c.cfg))
              for c in bench_model.cases(True, torch.device("cpu"))]  # fmt: skip
     monkeypatch.setattr(bench_model, "cases", lambda quick, device: small)
+    # dynamo traces of the torch and auto models: test_model_benchmark_rows_on_cpu has them
+    monkeypatch.setattr(bench_model, "COMPILED", ())
     rows = bench_model.run(True, torch.device("cpu"), {"device": "cpu"})
     ours = [r for r in rows if r["impl"] == "fusedattn-triton"]
     assert len(ours) == 4 and all(r["pass"] == "yes" for r in ours)
@@ -405,7 +416,8 @@ def test_attention_warm_up_runs_each_cases_triton_calls_once(monkeypatch):
                         lambda impls, leaves, check: calls.append(sorted(impls))
                         or run_once(impls, leaves, check))  # fmt: skip
     cpu = torch.device("cpu")
-    grid = bench_attention.cases(True, cpu)
+    grid = [interpreter_sized(c) for c in bench_attention.cases(True, cpu)]
+    monkeypatch.setattr(bench_attention, "cases", lambda quick, device: grid)
     for mask in ("key_padding", "window", "varlen"):
         calls.clear()
         index = next(i for i, c in enumerate(grid) if c.mask == mask)
