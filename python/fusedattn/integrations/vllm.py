@@ -324,7 +324,7 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
         key_cache, value_cache = self._caches(kv_cache)
         common = dict(
             scale=self.scale, window_size=self.window_size, softcap=self.softcap,
-            alibi_slopes=self._on(self.alibi_slopes, q.device), sinks=self.sinks,
+            alibi_slopes=self._alibi_slopes_on(q.device), sinks=self.sinks,
             backend=self.backend,
         )  # fmt: skip
         if self.fp8_dtype is not None:
@@ -345,7 +345,8 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
             )  # fmt: skip
         return output
 
-    def _on(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        if t is not None and t.device != device:
-            self.alibi_slopes = t = t.to(device)
-        return t
+    def _alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
+        """The slopes (made on the CPU from vLLM's list) moved to the device once."""
+        if self.alibi_slopes is not None and self.alibi_slopes.device != device:
+            self.alibi_slopes = self.alibi_slopes.to(device)
+        return self.alibi_slopes
