@@ -604,16 +604,18 @@ def test_valid_key_range_kernel_matches_the_torch_expression(T):
     1024-key blocks; run on the default device (compiled on a GPU, interpreted on a CPU)."""
     from fusedattn.ops.attention.triton_args import valid_key_range
 
-    g = torch.Generator().manual_seed(T)
-    rows = [torch.zeros(T, dtype=torch.bool), torch.ones(T, dtype=torch.bool)]
-    for _ in range(10):
-        a, b = sorted(torch.randint(0, T + 1, (2,), generator=g).tolist())
-        row = torch.ones(T, dtype=torch.bool)
-        row[a:b] = False  # real keys [a, b): padding at either end
-        rows.append(row.clone())
-        row[torch.rand(T, generator=g) < 0.1] = True  # holes
-        rows.append(row)
-    kpm = torch.stack(rows).to(torch.get_default_device())
+    device = torch.get_default_device()
+    with torch.device("cpu"):  # drawn from the CPU's generator, then moved
+        g = torch.Generator().manual_seed(T)
+        rows = [torch.zeros(T, dtype=torch.bool), torch.ones(T, dtype=torch.bool)]
+        for _ in range(10):
+            a, b = sorted(torch.randint(0, T + 1, (2,), generator=g).tolist())
+            row = torch.ones(T, dtype=torch.bool)
+            row[a:b] = False  # real keys [a, b): padding at either end
+            rows.append(row.clone())
+            row[torch.rand(T, generator=g) < 0.1] = True  # holes
+            rows.append(row)
+    kpm = torch.stack(rows).to(device)
     want = valid_key_range(kpm.cpu(), kernel=False)
     got = valid_key_range(kpm, kernel=True)
     assert got.dtype == torch.int32 and got.shape == (len(rows), 3)

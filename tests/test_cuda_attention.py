@@ -225,7 +225,12 @@ def test_random_cross_check_cuda_triton_reference(seed):
     ga = torch.autograd.grad(a, leaves, grad)
     gb = torch.autograd.grad(b, twins, grad)
     for x, y in zip((a, *ga), (b, *gb), strict=True):
-        torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
+        # each already passes the k× rule against float64 above; here the two agree to 2 % of
+        # the tensor's largest value: a fixed 0.02 is under one bf16 ulp of a large gradient
+        # (seed 4: dK of 5 keys summed over 2 heads x 77 queries reaches 12.6, where the ulp
+        # is 0.0625; the H200 run found 0.039 apart, the interpreter's Triton 0.09 off float64)
+        atol = 2e-2 * max(1.0, float(y.abs().max()))
+        torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=atol)
 
 
 def dropped_probabilities(q, k, seed, p, backend, **kw):

@@ -406,6 +406,7 @@ def test_decode_step_with_append_replays_from_a_cuda_graph():
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("S", [1, 7, 64, 300])
 def test_the_kernel_finds_a_key_masks_bounds_as_torch_does(S):
     """A Hugging Face decode step over a padding mask on the Triton backend: each program
@@ -416,7 +417,7 @@ def test_the_kernel_finds_a_key_masks_bounds_as_torch_does(S):
     from fusedattn.ops.decode import plans
     from fusedattn.ops.decode.api import decode_with_key_mask
 
-    g = torch.Generator().manual_seed(S)
+    g = torch.Generator(torch.get_default_device()).manual_seed(S)
     q = torch.randn(4, 1, 4, 16, generator=g)
     kc, vc = torch.randn(4, S, 2, 16, generator=g), torch.randn(4, S, 2, 16, generator=g)
     mask = torch.rand(4, S, generator=g) < 0.3

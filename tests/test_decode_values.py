@@ -77,12 +77,16 @@ def bad_values(paged):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_invalid_values_raise_before_anything_is_written(backend, paged):
+def test_invalid_values_raise_before_anything_is_written(backend, paged, kernel_device,
+                                                        monkeypatch):  # fmt: skip
     """cache_seqlens outside [0, capacity - Tnew], cache_leftpad outside [0, cache_seqlens +
     Tnew], a block-table entry outside [0, num_pages) for a page the sequence uses: a
     ValueError on the CPU whatever the backend, the caches bit-identical (before: accepted
     and different answers per backend, a wrapped write into the last slot, a partial write
-    then IndexError, a page clamped to the last one, a SIGSEGV in the Triton interpreter)."""
+    then IndexError, a page clamped to the last one, a SIGSEGV in the Triton interpreter).
+    On a GPU the Triton kernels check the values only when FUSEDATTN_CHECK_VALUES=1 asks
+    (no host sync by default; the unchecked run is the last test of this file)."""
+    monkeypatch.setenv(decode_ops.CHECK_VALUES_ENV, "1")
     for name, bad, match in bad_values(paged):
         q, kc, vc, k, v, kw = decode_call(paged=paged)
         if "page" in bad:
@@ -95,6 +99,23 @@ def test_invalid_values_raise_before_anything_is_written(backend, paged):
         with pytest.raises(ValueError, match=match):
             fusedattn.reference.attention_with_kvcache(q, kc, vc, k, v, **kw)
         assert torch.equal(kc, before), name
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_the_value_checks_read_on_the_host_whatever_the_default_device(backend):
+    """A paged call while the default device is another one (a GPU user's
+    torch.set_default_device("cuda") with the tensors elsewhere; "meta" stands in for it on
+    the CPU): the checks build their host tensors beside the values they read. Found on the
+    H200: the block-table check's page index followed the default device, and every paged
+    call under torch.device("cuda") failed with "Expected all tensors to be on the same
+    device" while the tensors were copied to the host."""
+    q, kc, vc, k, v, kw = decode_call(paged=True)
+    want = fusedattn.attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, backend=backend,
+                                            **kw)  # fmt: skip
+    with torch.device("meta"):
+        got = fusedattn.attention_with_kvcache(q, kc.clone(), vc.clone(), k, v,
+                                               backend=backend, **kw)  # fmt: skip
+    assert got.device == q.device and torch.equal(got, want)
 
 
 def test_a_page_past_the_sequence_is_not_checked():

@@ -18,9 +18,13 @@ import torch
 import fusedattn
 from fusedattn import reference
 from fusedattn.fp8 import FP8_MAX, dequantize_heads, quantize
+from fusedattn.ops.decode.api import CHECK_VALUES_ENV
 from fusedattn.reference.attention import attention_p_rounded
 from fusedattn.testing import assert_close_kx
 
+# every test on the kernel device: the Triton cases on a GPU's when there is one (their inputs
+# drawn there, from generators on that device), else the CPU's interpreter
+pytestmark = pytest.mark.usefixtures("kernel_device")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
 
@@ -32,6 +36,11 @@ def backend_cases(cases) -> list:
         for b, c in itertools.product(("reference", "torch", "triton"), cases)
         if not (b == "torch" and c == "softcap")
     ]
+
+
+def generator(seed: int) -> torch.Generator:
+    """A seeded generator on the default device (under kernel_device: a GPU's or the CPU)."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
 
 
 def nearest_even(x: torch.Tensor, dtype) -> torch.Tensor:
@@ -58,7 +67,7 @@ def test_quantize_rounds_to_nearest_even_and_saturates(dtype):
     """fusedattn.fp8.quantize against the brute-force search: random values, every midpoint
     between neighbouring fp8 values (the ties), values past the largest (saturated, never
     inf), NaN kept."""
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     grid = torch.arange(256, dtype=torch.uint8).view(dtype).double()
     grid = grid[torch.isfinite(grid)].unique()
     limit = FP8_MAX[dtype]
@@ -78,7 +87,7 @@ def test_quantize_rounds_to_nearest_even_and_saturates(dtype):
 
 
 def new_rows(B, Tnew, Hkv, D, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(B, Tnew, Hkv, D, generator=g) * 3
     x[0, 0, 0, :4] = torch.tensor([1e9, -1e9, float("nan"), -0.0])  # saturation, NaN, -0
     x[-1, -1, -1, :2] = torch.tensor([1e-30, -1e-30])  # flushed to ±0 (the sign kept)
@@ -86,7 +95,7 @@ def new_rows(B, Tnew, Hkv, D, dtype, seed):
 
 
 def descales(kind, B, Hkv, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     if kind == "tensor":
         return torch.tensor(0.05), torch.tensor([0.03])
     return torch.rand(B, Hkv, generator=g) * 0.1 + 0.01, torch.rand(
@@ -96,7 +105,7 @@ def descales(kind, B, Hkv, seed):
 
 def fp8_cache(B, S, Hkv, D, dtype, layout, page_size=4, seed=0):
     """(k_cache, v_cache, block_table): fp8 caches of random values, in a layout."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     k = (torch.randn(B, S, Hkv, D, generator=g) * 50).to(dtype)
     v = (torch.randn(B, S, Hkv, D, generator=g) * 50).to(dtype)
     if layout == "contiguous":
@@ -182,7 +191,7 @@ def decode_case(backend, dtype, layout, q_dtype, case, kind="per_head", page_siz
     B, S, Hq, D = 3, 13, 4, 16
     kc, vc, table = fp8_cache(B, S, Hkv, D, dtype, layout, page_size)
     kd, vd = descales(kind, B, Hkv, 4)
-    g = torch.Generator().manual_seed(5)
+    g = generator(5)
     q = torch.randn(B, Tq, Hq, D, generator=g) * q_scale
     seqlens = torch.tensor([0, 7, S], dtype=torch.int32)  # empty, partial, full
     qd = None
@@ -267,7 +276,7 @@ def test_decoding_appends_then_reads_its_own_fp8_rows(backend, page_size):
     B, S, Hkv, Hq, D = 2, 9, 2, 4, 16
     kc, vc, table = fp8_cache(B, S, Hkv, D, E4M3, "paged", page_size)
     kd, vd = descales("per_head", B, Hkv, 6)
-    g = torch.Generator().manual_seed(7)
+    g = generator(7)
     q = torch.randn(B, 1, Hq, D, generator=g).bfloat16()
     k, v = (torch.randn(B, 1, Hkv, D, generator=g).bfloat16() for _ in range(2))
     seqlens = torch.tensor([3, S - 1], dtype=torch.int32)
@@ -293,7 +302,7 @@ def test_the_paged_prefill_reads_an_fp8_cache(backend, q_dtype):
     k_lens, q_lens = [9, 6], [3, 6]
     kc, vc, table = fp8_cache(B, 12, Hkv, D, E4M3, "paged", page)
     kd, vd = descales("per_head", B, Hkv, 8)
-    g = torch.Generator().manual_seed(9)
+    g = generator(9)
     q = torch.randn(sum(q_lens), Hq, D, generator=g)
     cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, k_lens[0], sum(k_lens)], dtype=torch.int32)
@@ -325,7 +334,7 @@ def test_the_paged_prefill_reads_an_fp8_cache(backend, q_dtype):
 
 
 def fp8_inputs(B, Hq, Hkv, Tq, Tk, D, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     q, k, v = (torch.randn(B, h, t, D, generator=g) for h, t in ((Hq, Tq), (Hkv, Tk), (Hkv, Tk)))
     ds = [torch.rand(B, Hkv, generator=g) * 0.01 + 0.004 for _ in range(3)]
     out = []
@@ -443,7 +452,10 @@ def bad_decode_calls():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(bad_decode_calls()[0]))
-def test_bad_fp8_decode_input_is_named_before_anything_is_written(backend, name):
+def test_bad_fp8_decode_input_is_named_before_anything_is_written(backend, name, monkeypatch):
+    # the descales' values are checked on the host: on a GPU the Triton path reads them only
+    # when FUSEDATTN_CHECK_VALUES=1 asks (no sync by default), as the lengths
+    monkeypatch.setenv(CHECK_VALUES_ENV, "1")
     cases, base = bad_decode_calls()
     kw = base | cases[name]
     kw.setdefault("k", torch.randn(2, 1, 2, 16, dtype=torch.bfloat16))

@@ -2,6 +2,8 @@
 decode steps read the fp8 storage in the kernels, the logits are those of a float64 twin that
 reads the same fp8 values (the k× rule), and the tokens agree with a bf16 cache's."""
 
+import functools
+
 import pytest
 import torch
 from dispatch_probe import count_dispatches
@@ -19,9 +21,16 @@ from test_huggingface import (  # noqa: E402
     mistral_config,
     padded_batch,
 )
+from transformers.generation.utils import ALL_CACHE_NAMES  # noqa: E402
 
 from fusedattn.ops.core import backends  # noqa: E402
 
+# generate's cache argument: `cache` in transformers 5.24 (CI), `past_key_values` in 5.17 (the
+# H200 image's), which rejects `cache` as an unused model kwarg
+CACHE_ARG = "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
+
+# the kernels' cases on the kernel device (a GPU's when there is one): models, ids and caches
+pytestmark = pytest.mark.usefixtures("kernel_device")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MODELS = [llama_config, mistral_config, gemma2_config]
 NEW_TOKENS = 6
@@ -41,13 +50,42 @@ def fp8_cache(model, kind, prompt_len, **kw):
 
 def generate(model, ids, mask, cache, **kw):
     return model.generate(
-        ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
-        pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw,
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True, **{CACHE_ARG: cache}, **kw,
     )  # fmt: skip
 
 
+@functools.cache
+def cache_update_gets_the_attention_kwargs() -> bool:
+    """Whether the installed transformers' attention layers pass their keyword arguments on
+    to cache.update, where fusedattn's fp8 layers put the descales that hand the fp8 storage
+    itself to the attention (transformers 5.24's do; 5.17's, the H200 image's, call
+    update(k, v, layer_idx) and get the dequantized values back: huggingface_fp8's fallback)."""
+    seen = []
+
+    class Recording(transformers.DynamicCache):
+        def update(self, *args, **kwargs):
+            seen.append(isinstance(kwargs.get("kwargs"), dict))
+            return super().update(*args, **kwargs)
+
+    model = causal_lm(llama_config(), "eager")
+    with torch.no_grad():
+        model(torch.ones(1, 2, dtype=torch.long), **{CACHE_ARG: Recording()})
+    return all(seen) and bool(seen)
+
+
+def kernel_reads(dtype, model_dtype, n) -> list:
+    """What CacheDtypes records for n decode calls over an fp8 cache of `dtype`: the fp8
+    storage with both descales, or on a transformers whose models keep their kwargs from the
+    cache (above) the dequantized values in the model's dtype without descales."""
+    if cache_update_gets_the_attention_kwargs():
+        return [(dtype, dtype, True)] * n
+    return [(model_dtype, model_dtype, False)] * n
+
+
 class CacheDtypes:
-    """Records the cache dtype of every attention_with_kvcache call of `backend`."""
+    """Records the cache dtypes of every attention_with_kvcache call of `backend`, and whether
+    both descales came with them."""
 
     def __init__(self, backend):
         self.backend, self.dtypes = backend, []
@@ -57,8 +95,8 @@ class CacheDtypes:
         self.real = real = impls[self.backend]
 
         def recording(**inputs):
-            self.dtypes.append((inputs["k_cache"].dtype, inputs["v_cache"].dtype))
-            assert inputs["k_descale"] is not None and inputs["v_descale"] is not None
+            descaled = inputs["k_descale"] is not None and inputs["v_descale"] is not None
+            self.dtypes.append((inputs["k_cache"].dtype, inputs["v_cache"].dtype, descaled))
             return real.run(**inputs)
 
         impls[self.backend] = backends.Implementation(real.op, real.backend, recording,
@@ -101,7 +139,7 @@ def test_fp8_cache_logits_are_a_float64_twins_reading_the_same_fp8_values(
     base = generate(eager, ids, mask, fp8_cache(eager, kind, 8, dtype=dtype))
     steps = NEW_TOKENS - 1
     assert counts[("attention_with_kvcache", backend)] == 2 * steps  # two layers
-    assert seen.dtypes == [(dtype, dtype)] * (2 * steps)
+    assert seen.dtypes == kernel_reads(dtype, torch.float32, 2 * steps)
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b, c) in enumerate(zip(got.logits, want.logits, base.logits, strict=True)):
         assert_close_kx(a, b, c, k=3.0, name=f"step {step} logits")
@@ -172,9 +210,9 @@ def test_the_fp8_cache_agrees_with_the_bf16_cache(config, kind):
     else:
         bf16_cache = transformers.DynamicCache(config=model.config)
         cache = hf_fp8.FP8DynamicCache(config=model.config)
-    want = model.generate(ids, cache=bf16_cache, **kw)
+    want = model.generate(ids, **{CACHE_ARG: bf16_cache}, **kw)
     tokens = want.sequences[:, ids.shape[1] :]
-    got = model.generate(ids, cache=cache, logits_processor=[Forced(tokens)], **kw)
+    got = model.generate(ids, logits_processor=[Forced(tokens)], **{CACHE_ARG: cache}, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert hf_fp8.cache_bytes(cache) * 2 == hf_fp8.cache_bytes(bf16_cache)  # 1 byte, not 2
     picks = torch.stack([a.argmax(-1) for a in got.logits], 1)
@@ -206,7 +244,7 @@ def test_given_descales_and_the_calibrated_ones():
     ids = torch.randint(3, 100, (2, 5))
     cache = hf_fp8.FP8DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **{CACHE_ARG: cache})
     layer = cache.layers[0]
     assert layer.k_descale.shape == (2, 2) and layer.k_descale.dtype == torch.float32
     stored = layer.keys.float() * layer.k_descale[:, :, None, None]
@@ -219,7 +257,7 @@ def test_given_descales_and_the_calibrated_ones():
     cache = hf_fp8.FP8StaticCache(model.config, max_cache_len=8, k_descale=[0.01, per_head],
                                   v_descale=0.02)  # fmt: skip
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **{CACHE_ARG: cache})
     assert torch.equal(cache.layers[0].k_descale, torch.tensor(0.01))
     assert torch.equal(cache.layers[1].k_descale, per_head)
     assert torch.equal(cache.layers[1].v_descale, torch.tensor(0.02))
@@ -242,7 +280,7 @@ def test_bad_cache_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         cache = hf_fp8.FP8DynamicCache(config=model.config, **kwargs)
         with torch.no_grad():
-            model(torch.randint(3, 100, (2, 5)), cache=cache)
+            model(torch.randint(3, 100, (2, 5)), **{CACHE_ARG: cache})
 
 
 def test_an_fp8_descale_without_fp8_keys_is_refused():
@@ -266,7 +304,7 @@ def test_without_a_config_every_layer_grows_as_a_full_attention_layer():
     with CacheDtypes("reference") as seen:
         got = generate(model, ids, mask, hf_fp8.FP8DynamicCache())
     want = generate(model, ids, mask, hf_fp8.FP8DynamicCache(config=model.config))
-    assert seen.dtypes == [(E4M3, E4M3)] * (2 * (NEW_TOKENS - 1))
+    assert seen.dtypes == kernel_reads(E4M3, torch.float32, 2 * (NEW_TOKENS - 1))
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits, strict=True):
         assert torch.equal(a, b)

@@ -155,7 +155,8 @@ def test_a_paged_prefill_compiles_whole(backend, variant):
     kw = dict(is_causal=True)
     if variant == "alibi_per_sequence":
         g = torch.Generator().manual_seed(3)
-        kw = dict(alibi_slopes=(torch.rand(len(Q_LENGTHS), 4, generator=g) * 0.5).to(q.device))
+        slopes = torch.rand(len(Q_LENGTHS), 4, generator=g, device="cpu") * 0.5
+        kw = dict(alibi_slopes=slopes.to(q.device))
 
     def prefill(q, kc, vc):
         return fusedattn.varlen_attention(q, kc, vc, cu_q, cu_k, 7, 33, block_table=bt,

@@ -675,7 +675,7 @@ def check_kvcache_values(cache_seqlens, cache_leftpad, block_table, k_cache, Tne
     table = block_table.detach().to("cpu", torch.int64)
     first = torch.minimum(leftpad, seqlens) // page_size  # the append writes from seqlens on
     last = (ends + page_size - 1) // page_size
-    pages = torch.arange(table.shape[1])
+    pages = torch.arange(table.shape[1], device="cpu")  # beside table, whatever the default device
     used = (pages >= first[:, None]) & (pages < last[:, None])
     bad = (used & ((table < 0) | (table >= num_pages))).nonzero()
     if len(bad):

@@ -188,6 +188,8 @@ def _per_layer(name: str, value, n: int) -> list:
 
 def _fp8_layers(config, mapping, layer_kwargs, dtype, k_descale, v_descale, read_in_kernels):
     types, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(per_layer, dict):  # transformers 5.17 (the H200 image's): one for all layers
+        per_layer = [per_layer] * len(types)
     unsupported = sorted({t for t in types if t not in mapping})
     if unsupported:
         raise ValueError(f"the fp8 caches hold attention layers ({', '.join(mapping)}); this "
