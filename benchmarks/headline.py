@@ -31,9 +31,10 @@ NORM_N = "4096"
 NORM_IMPLS = ("fusedattn-triton", "fusedattn-cuda", "torch", "liger")
 # What a reader must know about a CSV beyond its numbers (from the card folder's README.md).
 CAVEATS = {
-    "h200/model.csv": "auto as routed before this run's table (attention always SDPA); its"
-    " inference rows at T=512 trail torch for a reason not yet profiled",
-    "h200/decode.csv": "B=1 and B=8 at 8k are bound by host time per call, not by the kernel",
+    "h200/model.csv": "auto with the table of 2026-11-27; padded BERT at T=512 trails torch"
+    " under auto (its attention on fusedattn's torch path with key padding; not yet profiled)",
+    "h200/decode.csv": "eager calls at B=1 and B=8 at 8k are bound by host time per call, not"
+    " by the kernel (their CUDA-graph replays are the -graph columns)",
 }
 
 

@@ -5,11 +5,12 @@
 # installed for the norm baselines). Each step has a time limit; a failing step does not stop
 # the others. GPU_CHECK_STEPS picks steps, in this order; three presets:
 #   next    what issue #52 (the GPU run-book) has first and undone, in one call of at most 8
-#           minutes: today its item 1, correctness on the GPU: build, info and the whole GPU
-#           test grid (the Triton and CUDA kernels, the decode kernels with bad values, the
-#           paged prefill's packed-query decode kernel, CUDA-graph decode steps and
-#           static-cache generation under torch.compile(mode="reduce-overhead")). Move it on
-#           as the items get done.
+#           minutes (GPU_CHECK_DEADLINE=470). Today: build, info, the whole GPU test grid
+#           again (item 1: on the H200 on 2026-11-28 1018 of 1022 passed in 159 s; the 4
+#           failures were fixed after that run, unrun on a GPU), profile-bert512 (item 2:
+#           padded BERT at T=512 ran 0.70x torch under auto, the loss in fusedattn's torch
+#           attention path with key padding), first-use (item 4) and bench-cp (item 5).
+#           Move it on as the items get done.
 #   check   (default) build info bench-attention gpu-tests (on the H200, 2026-11-27, one
 #           call with GPU_CHECK_DEADLINE=555: build 61 s, bench-attention 172 s, the tests
 #           cut at 300 s with 444 of the 600 Triton tests and all 200 CUDA ones run, before
@@ -51,7 +52,7 @@ exec > >(tee "$out_dir/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}  # the GPU image has python3 only
 case "${GPU_CHECK_STEPS:-check}" in
-  next) steps=" build info gpu-tests " ;;  # issue #52's first undone item; see above
+  next) steps=" build info gpu-tests profile-bert512 first-use bench-cp " ;;  # see above
   check) steps=" build info bench-attention gpu-tests " ;;
   measure) steps=" build tune-triton bench-norms bench-model host " ;;
   fp8) steps=" build fp8-tests bench-fp8 " ;;
@@ -256,5 +257,8 @@ step profile-norms 120 $PYTHON scripts/profile_norms.py --n 1024,4096,32768
 # step times and top kernels of each swapped variant
 step profile-model 100 $PYTHON scripts/profile_model.py --model gpt2-small --T 512
 step profile-model:bert 100 $PYTHON scripts/profile_model.py --model bert-base-padded --T 2048
+# padded BERT at T=512 (B=32): auto 15.70 against torch 10.93 ms on the H200 (2026-11-28), its
+# attention on fusedattn's torch path (SDPA with the key padding folded in), fusedattn-cuda 9.11
+step profile-bert512 60 $PYTHON scripts/profile_model.py --model bert-base-padded --T 512
 echo "== gpu-check done: status $status; files in $out_dir"
 exit "$status"

@@ -245,6 +245,9 @@ def test_config_is_a_pure_function():
     assert K.attention_config(128, 128, on_gpu=True) == K.AttentionConfig(128, 128, gpu, gpu, gpu)
     assert K.attention_config(256, 256, on_gpu=True).dkdv.block_n == 32
     assert K.attention_config(8, 8, on_gpu=True).block_d == 16
+    # fp8: an 8-bit dot's K is 32 at least on the GPU (q·kᵀ's K is the head-dim block)
+    assert K.attention_config(16, 16, on_gpu=True, elem_bytes=1).block_d == 32
+    assert K.attention_config(16, 16, on_gpu=False, elem_bytes=1).block_d == 32
     fp32 = K.Tiles(32, 16, 4, 2)  # FMA dots: small tiles (55-135 KB of spills at 64x64)
     assert K.attention_config(128, 128, True, ieee_fp32=True) == K.AttentionConfig(
         128, 128, fp32, fp32, fp32

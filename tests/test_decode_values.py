@@ -102,13 +102,16 @@ def test_invalid_values_raise_before_anything_is_written(backend, paged, kernel_
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_the_value_checks_read_on_the_host_whatever_the_default_device(backend):
+def test_the_value_checks_read_on_the_host_whatever_the_default_device(backend, kernel_device,
+                                                                      monkeypatch):  # fmt: skip
     """A paged call while the default device is another one (a GPU user's
     torch.set_default_device("cuda") with the tensors elsewhere; "meta" stands in for it on
     the CPU): the checks build their host tensors beside the values they read. Found on the
     H200: the block-table check's page index followed the default device, and every paged
     call under torch.device("cuda") failed with "Expected all tensors to be on the same
-    device" while the tensors were copied to the host."""
+    device" while the tensors were copied to the host. The Triton kernels on a GPU check only
+    when asked (FUSEDATTN_CHECK_VALUES=1): asked here."""
+    monkeypatch.setenv(decode_ops.CHECK_VALUES_ENV, "1")
     q, kc, vc, k, v, kw = decode_call(paged=True)
     want = fusedattn.attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, backend=backend,
                                             **kw)  # fmt: skip

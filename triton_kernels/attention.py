@@ -140,7 +140,10 @@ def attention_config(
     - ieee_fp32 (fp32 inputs with TF32 off: the dots run on FMA units, operands in registers):
       32x16 tiles; at 64x64 the D=128 kernels spilled 55-135 KB per thread on sm_90 (Triton
       3.6), at 32x16 the forward and dq none and dk/dv 1.3 KB."""
-    bd = max(16, triton.next_power_of_2(D))
+    # An 8-bit dot takes K >= 32 on the GPU (Triton 3.6 asserts it; the interpreter does not):
+    # fp8 q·kᵀ pads its head dim to 32, masked like any other padding (H200: fp8 at D=16 failed
+    # to compile). P·V's K is BLOCK_N, 32 or more in every tile below.
+    bd = max(16 if elem_bytes > 1 else 32, triton.next_power_of_2(D))
     bdv = max(16, triton.next_power_of_2(Dv))
     if not on_gpu:
         cpu = Tiles(32, 32, 1, 1)
