@@ -43,14 +43,17 @@ from pathlib import Path
 
 # (kernel, Tiles.parse specs: "BMxBNwWARPSsSTAGES" and flags t: tensor-descriptor (TMA)
 # copies, p: the forward's pipelined interior loop, w: the forward warp-specialized (4 warps;
-# 128x128 at 3 stages needs 246 KB of shared memory: not a candidate), m: dK/dV's boundary
+# 128x128 at 3 stages needs 246 KB of shared memory: not a candidate), r: the forward on
+# persistent programs, longest blocks first under causal (pipelined + persistent, "pr",
+# spilled 120-128 B at D=128 on the sm_90 screen: not a candidate), m: dK/dV's boundary
 # loops merged); the
 # shipped tiles are always measured first (64x64w4s2: the tiles every card got before the
 # H100 tuning; still the default off Hopper)
 CANDIDATES = {
     "fwd": ["64x64w4s2", "128x128w8s2", "128x64w8s3", "64x64w4s2t", "128x128w8s2t",
             "128x64w8s3t", "128x128w8s3", "128x64w8s2", "128x64w8s3p", "128x64w8s2p",
-            "128x64w8s3tp", "128x128w8s2p", "128x64w4s3w", "128x128w4s2w"],
+            "128x64w8s3tp", "128x128w8s2p", "128x64w4s3w", "128x128w4s2w", "128x64w8s3r",
+            "128x64w8s3tr", "128x64w4s3wr"],
     "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2", "128x64w8s2", "128x128w8s2"],
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x128w8s2m",
              "64x64w4s2m"],

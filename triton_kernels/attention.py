@@ -52,11 +52,13 @@ class Tiles:
     warp_spec: the forward's interior loop warp-specialized by Triton's Hopper pass
     (`tl.range(warp_specialize=True)`: producer warps issue the K/V copies through tensor
     descriptors made in the kernel, consumer warpgroups compute), which Triton 3.6 applies
-    with 4 warps only (attention_fwd's WARP_SPEC).
+    with 4 warps only (attention_fwd's WARP_SPEC); persistent: the forward on about one
+    program per multiprocessor, each looping over query blocks, the longest first under
+    causal (attention_fwd's PERSISTENT; forward only).
 
-    Written as BMxBNwWARPSsSTAGES plus a flag letter each for tma (t), merge (m), pipeline (p)
-    and warp_spec (w), as the tuning and screening scripts take them:
-    `Tiles.parse("128x64w8s3p")`, `.spec`."""
+    Written as BMxBNwWARPSsSTAGES plus a flag letter each for tma (t), merge (m), pipeline (p),
+    warp_spec (w) and persistent (r, resident), as the tuning and screening scripts take them:
+    `Tiles.parse("128x64w8s3pr")`, `.spec`."""
 
     block_m: int
     block_n: int
@@ -66,21 +68,23 @@ class Tiles:
     merge: bool = False
     pipeline: bool = False
     warp_spec: bool = False
+    persistent: bool = False
 
     @property
     def spec(self) -> str:
         flags = "t" * self.tma + "m" * self.merge + "p" * self.pipeline + "w" * self.warp_spec
+        flags += "r" * self.persistent
         return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{flags}"
 
     @classmethod
     def parse(cls, spec: str, kernel: str | None = None) -> Tiles:
         """The tiles a spec names; ValueError for a malformed one, or (given the kernel: fwd,
         dkdv or dq) a flag that kernel does not have."""
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)(m?)(p?)(w?)", spec)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(t?)(m?)(p?)(w?)(r?)", spec)
         if not m:
-            raise ValueError(f"tiles look like 128x64w8s3 plus flags t, m, p, w; got {spec!r}")
+            raise ValueError(f"tiles look like 128x64w8s3 plus flags t, m, p, w, r; got {spec!r}")
         tiles = cls(*(int(g) for g in m.groups()[:4]), *(bool(g) for g in m.groups()[4:]))
-        allowed = {"fwd": "tpw", "dkdv": "m", "dq": ""}.get(kernel, "tmpw")
+        allowed = {"fwd": "tpwr", "dkdv": "m", "dq": ""}.get(kernel, "tmpwr")
         if tiles.warp_spec and (tiles.tma or tiles.pipeline or tiles.num_warps != 4):
             raise ValueError(
                 "warp-specialized tiles (w) take 4 warps, their own in-kernel "
@@ -173,6 +177,8 @@ def attention_config(
         tiles = Tiles.parse(spec, kernel)
         if tiles.merge and alibi_or_varlen:  # spilled on the sm_90 screen (above)
             tiles = replace(tiles, merge=False)
+        if tiles.persistent and alibi_or_varlen:  # varlen's spilled 8 B at D=128 (screen)
+            tiles = replace(tiles, persistent=False)
         cfg = replace(cfg, **{kernel: tiles})
     return cfg
 
@@ -453,6 +459,18 @@ def _grid_block(pid, num_blocks, LONGEST_FIRST: tl.constexpr):
     return bh.to(tl.int64), blk
 
 
+@triton.jit
+def _tile_order(tile, num_tiles, num_blocks, LONGEST_FIRST: tl.constexpr):
+    """(batch*head, block) of the tile-th query block of a persistent forward. LONGEST_FIRST:
+    every head's last block (the most keys under causal), then every head's second to last,
+    ...: programs taking tiles num_programs apart start on the longest and end on the
+    shortest. Otherwise the blocks of one head are adjacent, as _grid_block's."""
+    if LONGEST_FIRST:
+        num_bh = num_tiles // num_blocks
+        return (tile % num_bh).to(tl.int64), num_blocks - 1 - tile // num_bh
+    return (tile // num_blocks).to(tl.int64), tile % num_blocks
+
+
 # ---- forward ---------------------------------------------------------------------------------
 
 
@@ -638,12 +656,13 @@ def _fwd_tiles(
 
 
 @triton.jit
-def attention_fwd(
+def _fwd_block(
+    bh, m_blk,
     Q, K, V, Out, LSE, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q, CU_K,
     Q_DESCALE, K_DESCALE, V_DESCALE,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, slse_b, slse_h,
     sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
-    H, Tq, Tk, D, Dv, group, num_m_blocks, scale, softcap, window_left, window_right,
+    H, Tq, Tk, D, Dv, group, scale, softcap, window_left, window_right,
     dropout_p, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -651,29 +670,10 @@ def attention_fwd(
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False, FP8: tl.constexpr = False,
-    WARP_SPEC: tl.constexpr = False,
+    PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr, FP8: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
-    """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
-    D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
-    WARP_SPEC (Tiles.warp_spec; pointers passed, no USE_TMA): the kernel makes each head's
-    (T, D) K and V descriptors itself (Triton 3.6's warp specialization takes only those:
-    host descriptors fail to compile, triton-lang/triton#7658; they need the global scratch
-    allocator, triton_args.ensure_scratch_allocator) and the interior key loop runs
-    warp-specialized; varlen works the same (a sequence's rows are its descriptor).
-    PIPELINE (Tiles.pipeline): the interior loop overlaps each tile's softmax with the tensor
-    cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain. MASK_IN_DOT: the
-    attn_mask enters through the dot's accumulator (_fwd_scores).
-
-    FP8 (inference): Q, K, V hold float8_e4m3fn and both products run on fp8 tensor cores. A
-    stored element means stored × descale (Q_DESCALE, K_DESCALE, V_DESCALE: one value per
-    sequence and kv head, or one for all with strides 0): q's and k's fold into the scores'
-    scale, v's into the output. P is rounded to float8_e4m3fn for P·V, as flash-attention 3
-    does, scaled by 2^8 first (P_SHIFT: exp2's argument gains 8, free) so that probabilities
-    down to 2^-14 of the row's maximum keep e4m3's 3 mantissa bits (subnormal down to 2^-17)
-    instead of flushing below its 2^-9; the normaliser sums the same scaled p, so the output
-    needs no correction and the lse subtracts 8."""
-    bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
+    """One query block (bh, m_blk) of attention_fwd: its rows' output and lse."""
     b = bh // H
     h = bh % H
     hk = h // group
@@ -775,6 +775,82 @@ def attention_fwd(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0)) - P_SHIFT) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
     tl.store(LSE + b * slse_b + h * slse_h + row_ptr, lse, mask=rows < q_len)
+
+
+@triton.jit
+def attention_fwd(
+    Q, K, V, Out, LSE, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q, CU_K,
+    Q_DESCALE, K_DESCALE, V_DESCALE,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, slse_b, slse_h,
+    sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
+    H, Tq, Tk, D, Dv, group, num_m_blocks, num_tiles, scale, softcap, window_left, window_right,
+    dropout_p, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False, FP8: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+):  # fmt: skip
+    """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
+    D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
+    WARP_SPEC (Tiles.warp_spec; pointers passed, no USE_TMA): the kernel makes each head's
+    (T, D) K and V descriptors itself (Triton 3.6's warp specialization takes only those:
+    host descriptors fail to compile, triton-lang/triton#7658; they need the global scratch
+    allocator, triton_args.ensure_scratch_allocator) and the interior key loop runs
+    warp-specialized; varlen works the same (a sequence's rows are its descriptor).
+    PIPELINE (Tiles.pipeline): the interior loop overlaps each tile's softmax with the tensor
+    cores (_fwd_tiles); the boundary loops, a few tiles each, stay plain. MASK_IN_DOT: the
+    attn_mask enters through the dot's accumulator (_fwd_scores).
+
+    FP8 (inference): Q, K, V hold float8_e4m3fn and both products run on fp8 tensor cores. A
+    stored element means stored × descale (Q_DESCALE, K_DESCALE, V_DESCALE: one value per
+    sequence and kv head, or one for all with strides 0): q's and k's fold into the scores'
+    scale, v's into the output. P is rounded to float8_e4m3fn for P·V, as flash-attention 3
+    does, scaled by 2^8 first (P_SHIFT: exp2's argument gains 8, free) so that probabilities
+    down to 2^-14 of the row's maximum keep e4m3's 3 mantissa bits (subnormal down to 2^-17)
+    instead of flushing below its 2^-9; the normaliser sums the same scaled p, so the output
+    needs no correction and the lse subtracts 8.
+
+    PERSISTENT (Tiles.persistent): a grid of about one program per multiprocessor, each
+    taking query blocks num_programs apart from one order of all num_tiles of them; with a
+    right window bound (causal) that order is longest first across every head (_tile_order),
+    so the last wave holds the shortest blocks instead of a straggler of long ones."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            bh, m_blk = _tile_order(tile, num_tiles, num_m_blocks, HAS_RIGHT)
+            _fwd_block(
+                bh, m_blk,
+                Q, K, V, Out, LSE, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q, CU_K,
+                Q_DESCALE, K_DESCALE, V_DESCALE,
+                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                so_b, so_h, so_t, slse_b, slse_h,
+                sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
+                H, Tq, Tk, D, Dv, group, scale, softcap, window_left, window_right,
+                dropout_p, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
+                HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
+                SOFTCAP, HAS_ALIBI,
+                HAS_SINKS, VARLEN, DROPOUT, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PIPELINE, MASK_IN_DOT, FP8, WARP_SPEC,
+            )  # fmt: skip
+    else:
+        bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
+        _fwd_block(
+            bh, m_blk,
+            Q, K, V, Out, LSE, MASK, KPM, KV_RANGE, SEED, SLOPES, SINKS, CU_Q, CU_K,
+            Q_DESCALE, K_DESCALE, V_DESCALE,
+            sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+            so_b, so_h, so_t, slse_b, slse_h,
+            sm_b, sm_h, sm_q, sm_k, skp_b, sal_b,
+            H, Tq, Tk, D, Dv, group, scale, softcap, window_left, window_right,
+            dropout_p, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
+            HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
+            SOFTCAP, HAS_ALIBI,
+            HAS_SINKS, VARLEN, DROPOUT, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PIPELINE, MASK_IN_DOT, FP8, WARP_SPEC,
+        )  # fmt: skip
 
 
 # ---- backward --------------------------------------------------------------------------------

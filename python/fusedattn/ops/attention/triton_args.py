@@ -13,7 +13,13 @@ import copy
 import torch
 
 from ..core import triton_launch
-from ..core.kernels import device_arch, dot_flags, ensure_scratch_allocator, kernels
+from ..core.kernels import (
+    device_arch,
+    dot_flags,
+    ensure_scratch_allocator,
+    kernels,
+    program_budget,
+)
 
 # fp16/bf16 backward: query blocks that see at most this many keys take the exact delta
 # (attention_bwd_dq's docstring; one or two key tiles on a GPU, not yet timed there)
@@ -264,11 +270,12 @@ class TritonAttentionLaunch:
     def fwd_args(self, q, k, v, out, lse):
         strides = (*self.strides(q), *self.strides(k), *self.strides(v), *self.strides(out))
         tensors = self.fwd_tensors(q, k, v, out, lse)
+        tiles = self.B * self.H * self.query_blocks("fwd")
         use_tma = self.use_tma["fwd"]
         args = (
             *tensors, *strides, *self.lse_strides, *self.mask_strides,
             self.alibi_stride, self.H, self.Tq, self.Tk, self.D, self.Dv, self.H // self.Hkv,
-            self.query_blocks("fwd"), *self.scalars, *self.descale_strides,
+            self.query_blocks("fwd"), tiles, *self.scalars, *self.descale_strides,
         )  # fmt: skip
         constexprs = dict(
             HAS_SINKS=self.sinks is not None, USE_TMA=use_tma, **self.flags, **self.tiles("fwd")
@@ -282,7 +289,10 @@ class TritonAttentionLaunch:
         scale, softcap = self.scalars[0], self.scalars[1]
         if self.mask is not None and softcap == 0.0 and scale != 0.0:
             constexprs["MASK_IN_DOT"] = True  # the mask as the dot's accumulator (_fwd_scores)
-        return (self.B * self.H * self.query_blocks("fwd"),), args, constexprs
+        if self.cfg.fwd.persistent:  # one program per multiprocessor (4 in the interpreter)
+            constexprs["PERSISTENT"] = True
+            return (min(tiles, program_budget(q.device)),), args, constexprs
+        return (tiles,), args, constexprs
 
     def dkdv_tensors(self, q, k, v, do, lse, delta, dk, dv):
         return (q, k, v, do, lse, delta, dk, dv, self.mask, self.kpm, self.kv_range, self.seed,
