@@ -46,7 +46,8 @@ from pathlib import Path
 # 128x128 at 3 stages needs 246 KB of shared memory: not a candidate), r: the forward on
 # persistent programs, longest blocks first under causal (pipelined + persistent, "pr",
 # spilled 120-128 B at D=128 on the sm_90 screen: not a candidate), m: dK/dV's boundary
-# loops merged); the
+# loops merged, p on dkdv: its interior loop rotated (the rotated dQ is no candidate: Triton
+# 3.6's ptxas 12.8 crashes on it)); the
 # shipped tiles are always measured first (64x64w4s2: the tiles every card got before the
 # H100 tuning; still the default off Hopper)
 CANDIDATES = {
@@ -56,7 +57,7 @@ CANDIDATES = {
             "128x64w8s3tr", "128x64w4s3wr"],
     "dq": ["64x64w4s2", "128x64w8s3", "128x32w8s2", "64x64w8s2", "128x64w8s2", "128x128w8s2"],
     "dkdv": ["64x64w4s2", "64x128w8s3", "32x128w8s2", "64x64w8s3", "64x128w8s3m", "64x128w8s2m",
-             "64x64w4s2m"],
+             "64x64w4s2m", "64x128w8s3mp", "32x128w8s2mp"],
 }  # fmt: skip
 # case: (head dim, causal, softcap, window: keys left of the diagonal, -1 for none, attn_mask:
 # None, "bool" or "float")

@@ -76,7 +76,7 @@ def test_tiles_spec_round_trips_and_flags_are_checked_per_kernel():
     assert (t.block_m, t.block_n, t.num_warps, t.num_stages) == (128, 64, 8, 3)
     assert t.tma and t.pipeline and not t.merge
     assert K.Tiles.parse("64x128w8s3m", "dkdv").merge
-    bad = [("64x128w8s3m", "fwd"), ("128x64w8s3p", "dkdv"), ("64x64w4s2t", "dq"),
+    bad = [("64x128w8s3m", "fwd"), ("128x64w8s3w", "dkdv"), ("64x64w4s2t", "dq"),
            ("128x64w8", None), ("128x64w8s3pt", None), ("128x64w8s3x", None)]  # fmt: skip
     for spec, kernel in bad:
         with pytest.raises(ValueError):

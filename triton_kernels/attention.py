@@ -84,7 +84,7 @@ class Tiles:
         if not m:
             raise ValueError(f"tiles look like 128x64w8s3 plus flags t, m, p, w, r; got {spec!r}")
         tiles = cls(*(int(g) for g in m.groups()[:4]), *(bool(g) for g in m.groups()[4:]))
-        allowed = {"fwd": "tpwr", "dkdv": "m", "dq": ""}.get(kernel, "tmpwr")
+        allowed = {"fwd": "tpwr", "dkdv": "mp", "dq": "p"}.get(kernel, "tmpwr")
         if tiles.warp_spec and (tiles.tma or tiles.pipeline or tiles.num_warps != 4):
             raise ValueError(
                 "warp-specialized tiles (w) take 4 warps, their own in-kernel "
@@ -857,6 +857,83 @@ def attention_fwd(
 
 
 @triton.jit
+def _dkdv_products(
+    k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, start_m, d, dv, q_len, D, Dv,
+    POSITIONAL: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, WITH_DP: tl.constexpr = True, WITH_S: tl.constexpr = True,
+):  # fmt: skip
+    """Query tile start_m's operands for one key block and its two products with them: Sᵀ =
+    K·Qᵀ (scores, transposed; WITH_S) and dPᵀ = V·dOᵀ (WITH_DP) (_dkdv_tiles); a product
+    not asked for comes back as 0."""
+    start_m = tl.multiple_of(start_m, BLOCK_M)  # every range starts on a tile boundary
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ptr = rows.to(tl.int64)
+    if POSITIONAL:
+        inb = rows < q_len
+        qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None],
+                     mask=inb[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
+        do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
+                     mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
+        # rows that saw no key (and rows past the end) have lse -inf: p must be exactly 0
+        lse = tl.load(LSE_head + row_ptr, mask=inb, other=float("-inf"))
+        delta = tl.load(DELTA_head + row_ptr, mask=inb, other=0.0)
+    else:  # interior query tiles are whole
+        qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None], mask=(d < D)[:, None],
+                     other=0.0)  # fmt: skip
+        do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
+                     mask=(dv < Dv)[None, :], other=0.0)  # fmt: skip
+        lse = tl.load(LSE_head + row_ptr)
+        delta = tl.load(DELTA_head + row_ptr)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    qkt = 0.0
+    if WITH_S:
+        qkt = _dot(k, qt, PRECISION, DOT_IN_FP32)
+    dpt = 0.0
+    if WITH_DP:
+        dpt = _dot(v, tl.trans(do), PRECISION, DOT_IN_FP32)
+    return rows, qt, do, lse2, delta, qkt, dpt
+
+
+@triton.jit
+def _dkdv_update(
+    dk, dv_acc, rows, qt, do, lse2, delta, qkt, dpt, cols, b, h, bhq, q_len, k_len, offset,
+    slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k,
+    skp_b, Tq, Tk, dropout_p,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """One query tile's dk, dv contributions from its products (_dkdv_products): Pᵀ
+    recomputed from the scores and the row lse, dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (dPᵀ - delta),
+    dK += dSᵀ·Q."""
+    m = 0.0
+    if HAS_MASK:  # (interior query tiles are whole, and so is an interior key block)
+        m = _mask_tile(MASK, b, h, rows[None, :], cols[:, None], q_len, k_len, sm_b, sm_h,
+                       sm_q, sm_k, POSITIONAL)  # fmt: skip
+    st, t = _tile_scores(
+        qkt, rows[None, :], cols[:, None], b, q_len, k_len, offset, slope2, scale, softcap,
+        window_left, window_right, m, KPM, skp_b, lse2[None, :], HAS_MASK and not MASK_IS_BOOL,
+        MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
+        INTERPRETED, PRECISION,
+    )  # fmt: skip
+    pt = tl.exp2(st)
+    if HAS_MASK and MASK_IS_BOOL:  # on P, not the scores: see _dq_tiles
+        pt = tl.where(m != 0, pt, 0.0)
+    pt_used = pt
+    if DROPOUT:  # the forward's mask again: 0 or 1 / (1 - dropout_p) per entry
+        kept = _keep_scale(SEED, dropout_p, bhq, rows[None, :], cols[:, None], Tq, Tk)
+        pt_used = pt * kept
+        dpt = dpt * kept
+    dv_acc += _dot(pt_used.to(do.dtype), do, PRECISION, DOT_IN_FP32)
+    dst = pt * (dpt - delta[None, :])
+    if SOFTCAP:
+        dst = dst * (1.0 - t * t)
+    dk += _dot(dst.to(qt.dtype), tl.trans(qt), PRECISION, DOT_IN_FP32)
+    return dk, dv_acc
+
+
+@triton.jit
 def _dkdv_tiles(
     dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi, lo2, hi2,
     cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left,
@@ -865,11 +942,56 @@ def _dkdv_tiles(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_M: tl.constexpr, TWO_RANGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, TWO_RANGES: tl.constexpr, PIPELINE: tl.constexpr = False,
 ):  # fmt: skip
     """dk, dv contributions of query tiles [lo, hi), then with TWO_RANGES [lo2, hi2) in the
     same loop (Tiles.merge), computed transposed (Sᵀ = K·Qᵀ, keys along rows) so that Pᵀ and
-    dSᵀ feed the dk/dv products without register transposes."""
+    dSᵀ feed the dk/dv products without register transposes.
+
+    PIPELINE (Tiles.pipeline on dkdv; one range): tile j+1's scores Sᵀ are issued before tile
+    j's softmax recomputation, dPᵀ and dV/dK products, so the exp2 of one tile can run while
+    the tensor cores work on the next (the forward's rotation, _fwd_tiles); tile j's q and dO
+    are loaded again for its own products. The same products and updates: the interpreter
+    gives the plain loop's bits."""
+    if PIPELINE:
+        if lo < hi:
+            rows, qt, _do_unused, lse2, _delta_unused, qkt, _dpt_unused = _dkdv_products(
+                k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, d, dv, q_len, D,
+                Dv, POSITIONAL, PRECISION, DOT_IN_FP32, BLOCK_M, False,
+            )  # fmt: skip
+            for start_m in range(lo + BLOCK_M, hi, BLOCK_M):
+                rows_n, _qt_n, _do_n, lse2_n, _delta_n, qkt_n, _dpt_n = _dkdv_products(
+                    k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, start_m, d, dv,
+                    q_len, D, Dv, POSITIONAL, PRECISION, DOT_IN_FP32, BLOCK_M, False,
+                )  # fmt: skip
+                # this tile's q and dO again (an L2 hit) rather than kept across the product
+                # in flight: kept, both spilled (benchmarks/results/sm90-static/)
+                _rows_again, qt, do, _lse2_again, delta, _qkt_none, dpt = _dkdv_products(
+                    k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t,
+                    start_m - BLOCK_M, d, dv, q_len, D, Dv, POSITIONAL, PRECISION,
+                    DOT_IN_FP32, BLOCK_M, True, False,
+                )  # fmt: skip
+                dk, dv_acc = _dkdv_update(
+                    dk, dv_acc, rows, qt, do, lse2, delta, qkt, dpt, cols, b, h, bhq, q_len,
+                    k_len, offset, slope2, scale, softcap, window_left, window_right, MASK, KPM,
+                    SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK,
+                    MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+                    POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED,
+                )  # fmt: skip
+                rows, lse2, qkt = rows_n, lse2_n, qkt_n
+            last = lo + (hi - lo - 1) // BLOCK_M * BLOCK_M  # the loop's last start_m
+            _rows_last, qt, do, _lse2_last, delta, _qkt_last, dpt = _dkdv_products(
+                k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, last, d, dv, q_len,
+                D, Dv, POSITIONAL, PRECISION, DOT_IN_FP32, BLOCK_M, True, False,
+            )  # fmt: skip
+            dk, dv_acc = _dkdv_update(
+                dk, dv_acc, rows, qt, do, lse2, delta, qkt, dpt, cols, b, h, bhq, q_len, k_len,
+                offset, slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED,
+                sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL,
+                HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL,
+                PRECISION, DOT_IN_FP32, INTERPRETED,
+            )  # fmt: skip
+        return dk, dv_acc
     if TWO_RANGES:
         n_first = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
         n_tiles = n_first + tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_M)
@@ -880,51 +1002,17 @@ def _dkdv_tiles(
         if TWO_RANGES:  # start_m counts tiles of both ranges from 0
             i = start_m // BLOCK_M
             start_m = tl.where(i < n_first, lo + start_m, lo2 + (i - n_first) * BLOCK_M)
-        start_m = tl.multiple_of(start_m, BLOCK_M)  # every range starts on a tile boundary
-        rows = start_m + tl.arange(0, BLOCK_M)
-        row_ptr = rows.to(tl.int64)
-        if POSITIONAL:
-            inb = rows < q_len
-            qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None],
-                         mask=inb[None, :] & (d < D)[:, None], other=0.0)  # fmt: skip
-            do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
-                         mask=inb[:, None] & (dv < Dv)[None, :], other=0.0)  # fmt: skip
-            # rows that saw no key (and rows past the end) have lse -inf: p must be exactly 0
-            lse = tl.load(LSE_head + row_ptr, mask=inb, other=float("-inf"))
-            delta = tl.load(DELTA_head + row_ptr, mask=inb, other=0.0)
-        else:  # interior query tiles are whole
-            qt = tl.load(Q_head + row_ptr[None, :] * sq_t + d[:, None], mask=(d < D)[:, None],
-                         other=0.0)  # fmt: skip
-            do = tl.load(DO_head + row_ptr[:, None] * sdo_t + dv[None, :],
-                         mask=(dv < Dv)[None, :], other=0.0)  # fmt: skip
-            lse = tl.load(LSE_head + row_ptr)
-            delta = tl.load(DELTA_head + row_ptr)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        qkt = _dot(k, qt, PRECISION, DOT_IN_FP32)
-        m = 0.0
-        if HAS_MASK:  # (interior query tiles are whole, and so is an interior key block)
-            m = _mask_tile(MASK, b, h, rows[None, :], cols[:, None], q_len, k_len, sm_b, sm_h,
-                           sm_q, sm_k, POSITIONAL)  # fmt: skip
-        st, t = _tile_scores(
-            qkt, rows[None, :], cols[:, None], b, q_len, k_len, offset, slope2, scale, softcap,
-            window_left, window_right, m, KPM, skp_b, lse2[None, :], HAS_MASK and not MASK_IS_BOOL,
-            MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
-            INTERPRETED, PRECISION,
+        rows, qt, do, lse2, delta, qkt, dpt = _dkdv_products(
+            k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, start_m, d, dv, q_len, D,
+            Dv, POSITIONAL, PRECISION, DOT_IN_FP32, BLOCK_M,
         )  # fmt: skip
-        pt = tl.exp2(st)
-        if HAS_MASK and MASK_IS_BOOL:  # on P, not the scores: see _dq_tiles
-            pt = tl.where(m != 0, pt, 0.0)
-        dpt = _dot(v, tl.trans(do), PRECISION, DOT_IN_FP32)
-        pt_used = pt
-        if DROPOUT:  # the forward's mask again: 0 or 1 / (1 - dropout_p) per entry
-            kept = _keep_scale(SEED, dropout_p, bhq, rows[None, :], cols[:, None], Tq, Tk)
-            pt_used = pt * kept
-            dpt = dpt * kept
-        dv_acc += _dot(pt_used.to(do.dtype), do, PRECISION, DOT_IN_FP32)
-        dst = pt * (dpt - delta[None, :])
-        if SOFTCAP:
-            dst = dst * (1.0 - t * t)
-        dk += _dot(dst.to(qt.dtype), tl.trans(qt), PRECISION, DOT_IN_FP32)
+        dk, dv_acc = _dkdv_update(
+            dk, dv_acc, rows, qt, do, lse2, delta, qkt, dpt, cols, b, h, bhq, q_len, k_len,
+            offset, slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b,
+            sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL, PRECISION,
+            DOT_IN_FP32, INTERPRETED,
+        )  # fmt: skip
     return dk, dv_acc
 
 
@@ -942,10 +1030,11 @@ def attention_bwd_dkdv(
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MERGE_BOUNDARIES: tl.constexpr = False,
+    MERGE_BOUNDARIES: tl.constexpr = False, PIPELINE: tl.constexpr = False,
 ):  # fmt: skip
     """dk, dv of one key block of one kv head, summed over the q heads of its group in a fixed
-    order (deterministic GQA)."""
+    order (deterministic GQA). PIPELINE: the interior query tiles' loop rotated
+    (_dkdv_tiles)."""
     bhk, n_blk = _grid_block(tl.program_id(0), num_n_blocks, False)
     b = bhk // Hkv
     hk = bhk % Hkv
@@ -1005,6 +1094,7 @@ def attention_bwd_dkdv(
                 HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                 (part == 1) if MERGE_BOUNDARIES else (part != 1), PRECISION, DOT_IN_FP32,
                 INTERPRETED, BLOCK_M, MERGE_BOUNDARIES and part == 1,
+                PIPELINE and part == (0 if MERGE_BOUNDARIES else 1),
             )  # fmt: skip
     if HAS_KPM:
         # Key padding is applied here, once, not to every tile's scores: row j of dK and dV
@@ -1020,6 +1110,69 @@ def attention_bwd_dkdv(
 
 
 @triton.jit
+def _dq_keys(K_head, V_head, sk_t, sv_t, start_n, d, dv, k_len, D, Dv, KPM, b, skp_b,
+             HAS_KPM: tl.constexpr, POSITIONAL: tl.constexpr, BLOCK_N: tl.constexpr,
+             WITH_V: tl.constexpr = True):  # fmt: skip
+    """Key tile start_n's columns, its keys and (WITH_V) values, transposed (D, BLOCK_N);
+    padded keys read as 0, K included: dq sums dS * k, and 0 * NaN would be NaN."""
+    start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
+    cols = start_n + tl.arange(0, BLOCK_N)
+    col_ptr = cols[None, :].to(tl.int64)
+    k_keep = tl.trans(_key_keep(cols, k_len, d, D, KPM, b, skp_b, HAS_KPM, POSITIONAL))
+    kt = tl.load(K_head + col_ptr * sk_t + d[:, None], mask=k_keep, other=0.0)
+    vt = 0.0
+    if WITH_V:
+        v_keep = tl.trans(_key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL))
+        vt = tl.load(V_head + col_ptr * sv_t + dv[:, None], mask=v_keep, other=0.0)
+    return cols, kt, vt
+
+
+@triton.jit
+def _dq_update(
+    dq, delta_sum, p_sum, qk, kt, vt, cols, do, lse2, delta, rows, DMASK_row, b, h, bh,
+    q_len, k_len, Tk_dense, offset, slope2, scale, softcap, window_left, window_right, MASK,
+    KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
+    DELTA_PASS: tl.constexpr, MASK_GRAD: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """One key tile's dq contribution from its scores qk = q·kᵀ (_dq_tiles)."""
+    m = 0.0
+    if HAS_MASK:  # rows past the end read the last row's mask (their dq is not stored)
+        m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :],
+                       q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL)  # fmt: skip
+    s, t = _tile_scores(
+        qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
+        window_left, window_right, m, KPM, skp_b, lse2[:, None], HAS_MASK and not MASK_IS_BOOL,
+        MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
+        INTERPRETED, PRECISION,
+    )  # fmt: skip
+    p = tl.exp2(s)
+    if HAS_MASK and MASK_IS_BOOL:
+        # a hidden key's P is 0 either way; selected here rather than in the scores, the
+        # scale and the row's log-sum-exp stay one FFMA (sm_90, D=128: dq 521 -> 423
+        # instructions per iteration with a bool mask)
+        p = tl.where(m != 0, p, 0.0)
+    dp = _dot(do, vt, PRECISION, DOT_IN_FP32)
+    if DROPOUT:
+        dp = dp * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
+    if DELTA_PASS:
+        delta_sum += tl.sum(p * dp, axis=1)
+        p_sum += tl.sum(p, axis=1)
+    else:
+        ds = p * (dp - delta[:, None])
+        if MASK_GRAD:
+            tl.store(DMASK_row + rows[:, None].to(tl.int64) * Tk_dense + cols[None, :], ds,
+                     mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])  # fmt: skip
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, DOT_IN_FP32)
+    return dq, delta_sum, p_sum
+
+
+@triton.jit
 def _dq_tiles(
     dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
     DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap,
@@ -1030,54 +1183,71 @@ def _dq_tiles(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     DELTA_PASS: tl.constexpr, MASK_GRAD: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
 ):  # fmt: skip
     """dq contributions of key tiles [lo, hi); with DELTA_PASS only the row sums of P ∘ dP
     and of P (delta_sum, p_sum: the exact delta is their quotient, see attention_bwd_dq).
     With MASK_GRAD, dS is also written into the dense fp32 score-gradient buffer (each
-    element once)."""
+    element once).
+
+    PIPELINE (Tiles.pipeline on dq): tile j+1's scores q·kᵀ are issued before tile j's
+    softmax recomputation and its dP and dQ products (the forward's rotation, _fwd_tiles),
+    tile j's keys loaded again for its dQ product rather than kept across the product in
+    flight (as dK/dV's, _dkdv_tiles). The same products and updates: the interpreter gives
+    the plain loop's bits."""
     if HAS_MASK:
         lo, hi = _tile_start(lo, hi, BLOCK_N)
+    if PIPELINE:
+        if lo < hi:
+            cols, kt, _no_v = _dq_keys(
+                K_head, V_head, sk_t, sv_t, lo, d, dv, k_len, D, Dv, KPM, b, skp_b, HAS_KPM,
+                POSITIONAL, BLOCK_N, False,
+            )  # fmt: skip
+            qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
+            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+                cols_n, kt_n, _no_v_n = _dq_keys(
+                    K_head, V_head, sk_t, sv_t, start_n, d, dv, k_len, D, Dv, KPM, b, skp_b,
+                    HAS_KPM, POSITIONAL, BLOCK_N, False,
+                )  # fmt: skip
+                qk_n = _dot(q, kt_n, PRECISION, DOT_IN_FP32)
+                _cols_again, kt, vt = _dq_keys(
+                    K_head, V_head, sk_t, sv_t, start_n - BLOCK_N, d, dv, k_len, D, Dv, KPM, b,
+                    skp_b, HAS_KPM, POSITIONAL, BLOCK_N,
+                )  # fmt: skip
+                dq, delta_sum, p_sum = _dq_update(
+                    dq, delta_sum, p_sum, qk, kt, vt, cols, do, lse2, delta, rows, DMASK_row, b, h,
+                    bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap, window_left,
+                    window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p,
+                    HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                    DROPOUT, POSITIONAL, DELTA_PASS, MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
+                )  # fmt: skip
+                cols, qk = cols_n, qk_n
+            last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N  # the loop's last start_n
+            _cols_last, kt, vt = _dq_keys(
+                K_head, V_head, sk_t, sv_t, last, d, dv, k_len, D, Dv, KPM, b, skp_b, HAS_KPM,
+                POSITIONAL, BLOCK_N,
+            )  # fmt: skip
+            dq, delta_sum, p_sum = _dq_update(
+                dq, delta_sum, p_sum, qk, kt, vt, cols, do, lse2, delta, rows, DMASK_row, b, h, bh,
+                q_len, k_len, Tk_dense, offset, slope2, scale, softcap, window_left, window_right,
+                MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK,
+                MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL,
+                DELTA_PASS, MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
+            )  # fmt: skip
+        return dq, delta_sum, p_sum
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)  # loops start on tile boundaries
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_ptr = cols[None, :].to(tl.int64)
-        # padded keys read as 0, K included: dq sums dS * k, and 0 * NaN would be NaN
-        k_keep = tl.trans(_key_keep(cols, k_len, d, D, KPM, b, skp_b, HAS_KPM, POSITIONAL))
-        kt = tl.load(K_head + col_ptr * sk_t + d[:, None], mask=k_keep, other=0.0)
-        v_keep = tl.trans(_key_keep(cols, k_len, dv, Dv, KPM, b, skp_b, HAS_KPM, POSITIONAL))
-        vt = tl.load(V_head + col_ptr * sv_t + dv[:, None], mask=v_keep, other=0.0)
-        qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
-        m = 0.0
-        if HAS_MASK:  # rows past the end read the last row's mask (their dq is not stored)
-            m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :],
-                           q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL)  # fmt: skip
-        s, t = _tile_scores(
-            qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
-            window_left, window_right, m, KPM, skp_b, lse2[:, None], HAS_MASK and not MASK_IS_BOOL,
-            MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
-            INTERPRETED, PRECISION,
+        cols, kt, vt = _dq_keys(
+            K_head, V_head, sk_t, sv_t, start_n, d, dv, k_len, D, Dv, KPM, b, skp_b, HAS_KPM,
+            POSITIONAL, BLOCK_N,
         )  # fmt: skip
-        p = tl.exp2(s)
-        if HAS_MASK and MASK_IS_BOOL:
-            # a hidden key's P is 0 either way; selected here rather than in the scores, the
-            # scale and the row's log-sum-exp stay one FFMA (sm_90, D=128: dq 521 -> 423
-            # instructions per iteration with a bool mask)
-            p = tl.where(m != 0, p, 0.0)
-        dp = _dot(do, vt, PRECISION, DOT_IN_FP32)
-        if DROPOUT:
-            dp = dp * _keep_scale(SEED, dropout_p, bh, rows[:, None], cols[None, :], Tq, Tk)
-        if DELTA_PASS:
-            delta_sum += tl.sum(p * dp, axis=1)
-            p_sum += tl.sum(p, axis=1)
-        else:
-            ds = p * (dp - delta[:, None])
-            if MASK_GRAD:
-                tl.store(DMASK_row + rows[:, None].to(tl.int64) * Tk_dense + cols[None, :], ds,
-                         mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])  # fmt: skip
-            if SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, DOT_IN_FP32)
+        qk = _dot(q, kt, PRECISION, DOT_IN_FP32)
+        dq, delta_sum, p_sum = _dq_update(
+            dq, delta_sum, p_sum, qk, kt, vt, cols, do, lse2, delta, rows, DMASK_row, b, h, bh,
+            q_len, k_len, Tk_dense, offset, slope2, scale, softcap, window_left, window_right, MASK,
+            KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL,
+            HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL, DELTA_PASS,
+            MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
+        )  # fmt: skip
     return dq, delta_sum, p_sum
 
 
@@ -1097,9 +1267,10 @@ def attention_bwd_dq(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINKS: tl.constexpr = False, EXACT_DELTA: tl.constexpr = False,
-    EXACT_DELTA_KEYS: tl.constexpr = 0,
+    EXACT_DELTA_KEYS: tl.constexpr = 0, PIPELINE: tl.constexpr = False,
 ):  # fmt: skip
-    """dq of one query block, the backward's first kernel: it also computes the block's
+    """dq of one query block, the backward's first kernel (PIPELINE: the interior key tiles'
+    loop rotated, _dq_tiles): it also computes the block's
     delta (the softmax-backward correction term, rowsum(P ∘ dP)) and stores it, laid out as
     lse, for the dk/dv kernel that runs next (no separate launch for it). With MASK_GRAD also
     dS, the gradient of the float mask, into a dense (B, H, Tq, Tk) fp32 buffer (padded
@@ -1183,7 +1354,7 @@ def attention_bwd_dq(
             window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
             Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, False, MASK_GRAD, PRECISION,
-            DOT_IN_FP32, INTERPRETED, BLOCK_N,
+            DOT_IN_FP32, INTERPRETED, BLOCK_N, PIPELINE and part == 1,
         )  # fmt: skip
     tl.store(DQ + b * sdq_b + h * sdq_h + row_ptr[:, None] * sdq_t + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=inb[:, None] & (d < D)[None, :])  # fmt: skip

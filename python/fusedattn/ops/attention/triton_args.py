@@ -308,6 +308,8 @@ class TritonAttentionLaunch:
         )  # fmt: skip
         grid = (self.B * self.Hkv * self.key_blocks("dkdv"),)
         merge = dict(MERGE_BOUNDARIES=True) if self.cfg.dkdv.merge else {}
+        if self.cfg.dkdv.pipeline:
+            merge["PIPELINE"] = True
         return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge)
 
     def dq_tensors(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad=None,
@@ -336,4 +338,6 @@ class TritonAttentionLaunch:
         )  # fmt: skip
         if given is None and not exact_delta and self.half:  # not for CP's blocks (given)
             constexprs["EXACT_DELTA_KEYS"] = EXACT_DELTA_KEYS
+        if self.cfg.dq.pipeline:
+            constexprs["PIPELINE"] = True
         return (self.B * self.H * self.query_blocks("dq"),), args, constexprs
