@@ -590,16 +590,17 @@ def _script(name):
 @pytest.mark.slow
 def test_tune_triton_attention_checks_each_candidate_against_float64_before_timing(tmp_path):
     """scripts/tune_triton_attention.py (gpu_check's hopper preset, issue #61) in its CPU dry
-    run: every forward candidate, warp-specialized and pipelined included, passes the k× check
-    against float64 on its slice and gets a time; the CSV carries the card (arch 0 here) and
-    build_tile_table keeps no CPU row."""
+    run: every forward and dK/dV candidate (warp-specialized, pipelined, persistent and the
+    rotated backward included) passes the k× check against float64 on its slice and gets a
+    time; the CSV carries the card (arch 0 here) and build_tile_table keeps no CPU row."""
     tune = _script("tune_triton_attention")
-    assert tune.main(["--out", str(tmp_path), "--cases", "d64c", "--kernels", "fwd",
+    assert tune.main(["--out", str(tmp_path), "--cases", "d64c", "--kernels", "fwd,dkdv",
                       "--baselines"]) == 0  # fmt: skip
     rows = list(csv.DictReader((tmp_path / "tune_triton_attention.csv").open()))
-    fwd = [r for r in rows if r["kernel"] == "fwd"]
-    assert {r["tiles"] for r in fwd} == {"shipped", *tune.CANDIDATES["fwd"]}
-    assert all(r["pass"] == "yes" and float(r["ms"]) > 0 and r["arch"] == "0" for r in fwd)
+    for kernel in ("fwd", "dkdv"):
+        mine = [r for r in rows if r["kernel"] == kernel]
+        assert {r["tiles"] for r in mine} == {"shipped", *tune.CANDIDATES[kernel]}
+        assert all(r["pass"] == "yes" and float(r["ms"]) > 0 and r["arch"] == "0" for r in mine)
     table, _ = _script("build_tile_table").choose(rows, 0.02)
     assert table == {}
 
