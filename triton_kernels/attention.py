@@ -965,7 +965,7 @@ def _dkdv_tiles(
                     q_len, D, Dv, POSITIONAL, PRECISION, DOT_IN_FP32, BLOCK_M, False,
                 )  # fmt: skip
                 # this tile's q and dO again (an L2 hit) rather than kept across the product
-                # in flight: kept, both spilled (benchmarks/results/sm90-static/)
+                # in flight: kept, the loop spilled 1.0-5.4 KB (benchmarks/results/sm90-static/)
                 _rows_again, qt, do, _lse2_again, delta, _qkt_none, dpt = _dkdv_products(
                     k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t,
                     start_m - BLOCK_M, d, dv, q_len, D, Dv, POSITIONAL, PRECISION,
