@@ -158,14 +158,13 @@ def test_causal_and_windows_are_bottom_right_as_in_flash_attention():
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda q: compat.flash_attn_with_kvcache(q, q, q, k=q, v=q, cache_seqlens=0, rotary_cos=q[0, :, 0], rotary_sin=q[0, :, 0], cache_leftpad=torch.zeros(1, dtype=torch.int32)), "cache_leftpad"),
         (lambda q: compat.flash_attn_with_kvcache(q, q, q, k=q, v=q, cache_seqlens=0, rotary_cos=q[0, :, 0]), "both rotary_cos and rotary_sin"),
         (lambda q: compat.flash_attn_with_kvcache(q, q, q, cache_batch_idx=torch.zeros(1, dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32)), "cache_batch_idx with a block_table"),
         (lambda q: compat.flash_attn_with_kvcache(q, q, q, k=q, v=q), "needs cache_seqlens"),
         (lambda q: compat.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True), "dropout pattern"),
         (lambda q: compat.flash_attn_varlen_func(q[0], q[0], q[0], *(torch.tensor([0, 3], dtype=torch.int32),) * 2, torch.ones(2), 3), "max_seqlen_q must be"),
     ],
-    ids=["rotary_leftpad", "rotary_half", "batch_idx_and_pages", "append_without_lengths", "probs_with_dropout", "max_seqlen_vector"],
+    ids=["rotary_half", "batch_idx_and_pages", "append_without_lengths", "probs_with_dropout", "max_seqlen_vector"],
 )  # fmt: skip
 def test_what_cannot_be_honoured_is_refused_by_name(call, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -290,6 +290,46 @@ def test_with_kvcache_rotates_q_and_the_new_keys_at_the_cache_positions(causal):
     torch.testing.assert_close(got_caches[0], want_caches[0], rtol=1e-5, atol=1e-5)
 
 
+def test_with_kvcache_rotates_a_left_padded_cache_at_its_slots():
+    """With cache_leftpad, flash-attention's kernel reads the rotary tables at the cache slots
+    (cache_seqlens[b] + i, the padding counted; its tests rotate the reference at
+    seqlen_offsets=cache_seqlens): equal to rotating first, and to the same call on the cache
+    without its padding when q and k are rotated there."""
+    torch.manual_seed(0)
+    B, S, H, D = 2, 24, 2, 16
+    q, k_new, v_new = torch.randn(B, 2, H, D), torch.randn(B, 2, H, D), torch.randn(B, 2, H, D)
+    caches = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    lengths, leftpad = torch.tensor([9, 14], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    cos, sin = tables(S, D)
+    got_caches = caches[0].clone(), caches[1].clone()
+    got = compat.flash_attn_with_kvcache(q, *got_caches, k_new, v_new, rotary_cos=cos,
+                                         rotary_sin=sin, cache_seqlens=lengths,
+                                         cache_leftpad=leftpad, causal=True,
+                                         rotary_interleaved=False)  # fmt: skip
+    positions = (lengths[:, None] + torch.arange(2))[..., None].expand(B, 2, H)
+    k_rot, q_rot = rotate64(k_new, positions).float(), rotate64(q, positions).float()
+    want_caches = caches[0].clone(), caches[1].clone()
+    want = compat.flash_attn_with_kvcache(q_rot, *want_caches, k_rot, v_new,
+                                          cache_seqlens=lengths, cache_leftpad=leftpad,
+                                          causal=True)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_caches[0], want_caches[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_caches[0][0, :3], caches[0][0, :3])  # the padding is not written
+
+
+def test_window_size_as_flash_attentions_tests_pass_it():
+    """flash-attention's tests draw the window as `torch.randint(0, seqlen_k, (2,))`: a tensor
+    pair, or a tuple of 0-dim tensors, is the same window as the ints."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 2, 16) for _ in range(3))
+    window = torch.randint(0, 9, (2,))
+    want = compat.flash_attn_func(q, k, v, window_size=tuple(int(w) for w in window))
+    for form in (window, tuple(window), list(window)):
+        torch.testing.assert_close(compat.flash_attn_func(q, k, v, window_size=form), want)
+    with pytest.raises(TypeError, match="integer tensor of two elements"):
+        compat.flash_attn_func(q, k, v, window_size=torch.tensor([1.0, 2.0]))
+
+
 def test_cache_batch_idx_reads_and_appends_the_rows_it_names():
     torch.manual_seed(0)
     k_cache, v_cache = torch.randn(5, 16, 2, 8), torch.randn(5, 16, 2, 8)

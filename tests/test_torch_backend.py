@@ -7,12 +7,14 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hard_shapes import AttentionShape, attention_shapes, make_qkv
 from kx_check import assert_op_kx
 
 import fusedattn
 from fusedattn import reference
 from fusedattn.testing import ABS_FLOOR
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -185,7 +187,7 @@ def test_bias_constant_over_keys_gets_a_zero_gradient_in_any_mask_dtype(
 
 def test_attention_edge_cases_of_sdpa():
     """Causal with a scale <= 0 (SDPA's CPU kernel gave NaN), masks of 0 or 1 dims (they
-    broadcast; SDPA crashed on them), and a NaN in a padded key (it leaked into every row)."""
+    broadcast; SDPA crashed on them)."""
     s = AttentionShape(B=2, Hq=2, Hkv=2, Tq=6, Tk=6, D=8, Dv=8)
     q, k, v = make_qkv(s, torch.float32, "cpu")
     for scale in (0.0, -0.5):
@@ -198,15 +200,64 @@ def test_attention_edge_cases_of_sdpa():
             q.double(), k.double(), v.double(), mask if mask.dtype == torch.bool else mask.double()
         )
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+class AtenOps(TorchDispatchMode):
+    """The aten ops a call runs: (name, numel of its output), views left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(tag == torch.Tag.view_copy for tag in func.tags) and not func.is_view:
+            size = out.numel() if isinstance(out, torch.Tensor) else 0
+            self.ops.append((func.__name__, size))
+        return out
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_key_padding_adds_little_around_a_direct_sdpa_call(train):
+    """A key-padding call on the torch backend runs what a user's direct
+    `F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])` runs, plus at
+    most 4 ops (none writing a K-sized tensor) in inference and one output-sized pass when a
+    backward is recorded (it zeroes rows that see no key). It copied K and V on every call."""
+    B, H, T, D = 2, 4, 64, 32
+    q, k, v = (torch.randn(B, T, H, D).transpose(1, 2).requires_grad_(train) for _ in range(3))
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, 40:] = True
+    with AtenOps() as direct:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
+    with AtenOps() as ours:
+        fusedattn.attention(q, k, v, key_padding_mask=pad, backend="torch")
+    added = list(ours.ops)
+    for op in direct.ops:
+        assert op in added, f"the direct call's {op} is missing: {ours.ops}"
+        added.remove(op)
+    big = [op for op in added if op[1] >= k.numel()]
+    if train:
+        assert len(big) <= 1 and all(size == q.numel() for _, size in big), added
+    else:
+        assert len(added) <= 4 and not big, added
+
+
+def test_padded_keys_are_masked_as_sdpa_masks_them():
+    """Documented limit (docs/backends.md): the torch backend does not copy K and V to zero
+    the padded rows, so its outputs are SDPA's with the padding mask; a padded key with
+    finite values never changes an output. (A NaN there reaches the output, as in SDPA; the
+    reference and the kernels never read the padded rows: test_attention_variants.)"""
+    s = AttentionShape(B=2, Hq=2, Hkv=2, Tq=6, Tk=6, D=8, Dv=8)
+    q, k, v = make_qkv(s, torch.float32, "cpu")
     kpm = torch.zeros(2, 6, dtype=torch.bool)
     kpm[:, 4:] = True
     kn, vn = k.clone(), v.clone()
-    kn[:, :, 4], vn[:, :, 5] = float("nan"), float("nan")
-    for backend in ("torch", "reference"):
-        got = fusedattn.attention(q, kn, vn, key_padding_mask=kpm, backend=backend)
-        torch.testing.assert_close(
-            got, fusedattn.attention(q, k, v, key_padding_mask=kpm, backend=backend)
-        )
+    kn[:, :, 4], vn[:, :, 5] = 1e4, -1e4
+    got = fusedattn.attention(q, kn, vn, key_padding_mask=kpm, backend="torch")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, fusedattn.attention(q, k, v, key_padding_mask=kpm,
+                                                        backend="torch"))  # fmt: skip
 
 
 @pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])

@@ -199,7 +199,10 @@ def check_window_size(window_size) -> None:
     )
     if not ok:
         raise TypeError(
-            f"window_size must be None or a pair of ints (left, right), got {window_size!r}"
+            "window_size must be None or a pair of Python ints (left, right), -1 for an "
+            f"unbounded side, e.g. (255, 0); got {window_size!r} (a pair of integer tensors, "
+            "as flash-attention takes it, is accepted by fusedattn.compat.flash_attn; here "
+            "pass tuple(int(w) for w in window_size))"
         )
     if any(w < -1 for w in window_size):
         raise ValueError(

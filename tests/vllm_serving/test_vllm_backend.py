@@ -294,3 +294,59 @@ def test_an_option_the_backend_lacks_is_refused_when_the_engine_starts(model_dir
         exc = exc.__cause__ or exc.__context__
     said = "\n".join(chain)
     assert "fusedattn's vLLM backend cannot serve" in said and "softcap" in said, said
+
+
+def _batch_metadata(causal, query_lens, seq_lens, block_table):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(starts[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(query_lens),
+        num_actual_tokens=n, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table, slot_mapping=torch.zeros(n, dtype=torch.int32),
+        causal=causal,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_non_causal_batch_lets_each_query_see_every_key_of_its_request(backend):
+    """vLLM's CommonAttentionMetadata.causal = False (a drafter, an encoder-style layer on the
+    decoder path): each query sees all of its request's keys, in the decode and the prefill
+    part of the batch, against float64. The builder ignored the flag and ran causal (vLLM's
+    own test_non_causal_backend_correctness: 67 % of the elements off); a per-request flag
+    tensor is refused by name."""
+    torch.manual_seed(0)
+    H, Hkv, D, page = 4, 2, 64, 16
+    impl = fused_vllm.FusedAttentionImpl(H, D, D**-0.5, num_kv_heads=Hkv)
+    impl.backend = backend
+    builder = object.__new__(fused_vllm.FusedAttentionMetadataBuilder)
+    kv_cache = torch.randn(8, Hkv, page, 2 * D)  # vLLM's (blocks, Hkv, block_size, 2 D)
+    table = torch.tensor([[5, 1], [2, 7]], dtype=torch.int32)
+    query_lens, seq_lens = [1, 7], [20, 30]  # a decode over 20 keys, 7 queries over 30
+    query = torch.randn(sum(query_lens), H * D)
+    layer = type("Scales", (), dict(_k_scale=torch.ones(()), _v_scale=torch.ones(())))
+
+    def run(causal):
+        meta = builder.build(0, _batch_metadata(causal, query_lens, seq_lens, table))
+        output = torch.full_like(query, float("nan"))
+        return impl.forward(layer, query, query, query, kv_cache, meta, output)
+
+    got, causal_out = run(False), run(True)
+    row = 0
+    for b, (nq, nk) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        slots = [(int(table[b, p // page]), p % page) for p in range(nk)]
+        keys = torch.stack([kv_cache[i, :, j, :D] for i, j in slots], 1).double()
+        values = torch.stack([kv_cache[i, :, j, D:] for i, j in slots], 1).double()
+        q = query[row : row + nq].view(nq, H, D).transpose(0, 1).double()
+        kv = lambda t: t.repeat_interleave(H // Hkv, 0)  # noqa: E731
+        want = torch.softmax(q @ kv(keys).transpose(1, 2) * D**-0.5, -1) @ kv(values)
+        mine = got[row : row + nq].view(nq, H, D).transpose(0, 1).double()
+        torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-4)
+        row += nq
+    assert not torch.allclose(causal_out[1:], got[1:], atol=1e-3)  # the flag changed something
+    with pytest.raises(ValueError, match="one causal flag per batch"):
+        builder.build(0, _batch_metadata(torch.tensor([True, False]), query_lens, seq_lens,
+                                         table))  # fmt: skip
+    assert fused_vllm.FusedAttentionBackend.supports_non_causal()

@@ -19,7 +19,10 @@ What a step runs (vLLM puts the decodes first in the batch, `reorder_batch_thres
   split-key decode kernel;
 - everything else — prefills, chunked prefill, prefix-cache hits, a request resumed after
   preemption — `varlen_attention(..., block_table=...)`, the paged prefill: the queries are
-  the last keys of their sequence (bottom-right causal alignment), the pages read in place.
+  the last keys of their sequence (bottom-right causal alignment), the pages read in place;
+- a batch whose metadata is non-causal (`CommonAttentionMetadata.causal = False`: drafters,
+  encoder-style layers on the decoder path) runs both with is_causal=False, each query seeing
+  every key of its request (the backend declares `supports_non_causal`).
 vLLM's KV cache, a (num_blocks, Hkv, block_size, 2 * head_size) tensor per layer in any
 physical order vLLM lays out, is read through strided views: keys the first head_size of
 each token's row, values the second (the layout of vLLM's Triton backend); no per-step copy.
@@ -150,6 +153,12 @@ class FusedAttentionBackend(AttentionBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        # A batch whose metadata says causal=False (drafters, encoders served through the
+        # decoder path) runs non-causal: every query of a request sees all of its keys.
+        return True
+
 
 @dataclass
 class FusedAttentionMetadata:
@@ -164,6 +173,7 @@ class FusedAttentionMetadata:
     seq_lens: torch.Tensor  # (B,) int32: cached keys of each request after this step's rows
     block_table: torch.Tensor  # (B, max_pages) int32
     slot_mapping: torch.Tensor  # (num_tokens,): the cache row of each new token, < 0 padding
+    causal: bool  # CommonAttentionMetadata.causal: False = each query sees all its keys
     # The prefills' packed-batch metadata (requests num_decodes..B-1), for varlen_attention.
     prefill_cu_seqlens_q: torch.Tensor | None
     prefill_cu_seqlens_k: torch.Tensor | None
@@ -186,6 +196,11 @@ class FusedAttentionMetadataBuilder(AttentionMetadataBuilder[FusedAttentionMetad
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FusedAttentionMetadata:  # fmt: skip
         meta = common_attn_metadata
+        if isinstance(meta.causal, torch.Tensor):
+            raise ValueError(
+                "fusedattn's vLLM backend takes one causal flag per batch; this batch has one "
+                "per request (CommonAttentionMetadata.causal is a tensor)"
+            )
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             meta, decode_threshold=1
         )
@@ -206,6 +221,7 @@ class FusedAttentionMetadataBuilder(AttentionMetadataBuilder[FusedAttentionMetad
             seq_lens=meta.seq_lens,
             block_table=meta.block_table_tensor,
             slot_mapping=meta.slot_mapping,
+            causal=bool(meta.causal),
             prefill_cu_seqlens_q=cu_q,
             prefill_cu_seqlens_k=cu_k,
         )
@@ -269,7 +285,7 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
             num_actual_tokens=2, num_decodes=1, num_decode_tokens=1, max_query_len=1,
             max_seq_len=1, query_start_loc=torch.tensor([0, 1, 2], **int32),
             seq_lens=torch.tensor([1, 1], **int32), block_table=torch.zeros(2, 1, **int32),
-            slot_mapping=torch.zeros(2, **int32),
+            slot_mapping=torch.zeros(2, **int32), causal=True,
             prefill_cu_seqlens_q=torch.tensor([0, 1], **int32),
             prefill_cu_seqlens_k=torch.tensor([0, 1], **int32),
         )  # fmt: skip
@@ -334,13 +350,13 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
             out[:ndt] = fusedattn.attention_with_kvcache(
                 q[:ndt].unsqueeze(1), key_cache, value_cache,
                 cache_seqlens=meta.seq_lens[:nd], block_table=meta.block_table[:nd],
-                is_causal=True, **common,
+                is_causal=meta.causal, **common,
             ).squeeze(1)  # fmt: skip
         if ndt < n:
             out[ndt:] = fusedattn.varlen_attention(
                 q[ndt:], key_cache, value_cache, meta.prefill_cu_seqlens_q,
                 meta.prefill_cu_seqlens_k, meta.max_query_len, meta.max_seq_len,
-                is_causal=True, enable_gqa=True, causal_alignment="bottom_right",
+                is_causal=meta.causal, enable_gqa=True, causal_alignment="bottom_right",
                 block_table=meta.block_table[nd : meta.query_start_loc.shape[0] - 1], **common,
             )  # fmt: skip
         return output

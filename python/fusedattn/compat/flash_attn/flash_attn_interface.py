@@ -14,8 +14,9 @@ Implemented beyond fusedattn's own API: the packed (`*_qkvpacked_func`, `*_kvpac
 forms, a paged cache in `flash_attn_varlen_func` (block_table), and in
 `flash_attn_with_kvcache` rotary embedding of q and the new k (rotary_cos / rotary_sin,
 rotary_interleaved) and `cache_batch_idx`. What fusedattn cannot honour raises a ValueError
-naming it: rotary embedding together with cache_leftpad, cache_batch_idx together with a
-block_table. fp32 inputs, which flash-attention refuses, are accepted.
+naming it: cache_batch_idx together with a block_table. Rotary embedding with cache_leftpad
+rotates at the cache slots (cache_seqlens[b] + i, the left padding counted), as flash-attention
+does. fp32 inputs, which flash-attention refuses, are accepted.
 
 FP8 as flash-attention 3 takes it: `q_descale`, `k_descale`, `v_descale` (keyword-only here,
 float32 (B, Hkv) or one value) with q, k, v in float8_e4m3fn (the output bfloat16), or with
@@ -96,13 +97,29 @@ class _ForwardOnly(torch.autograd.Function):
         )
 
 
+def _window_side(w) -> bool:
+    """An int, or an integer tensor of one element (flash-attention's tests pass
+    `torch.randint(0, seqlen_k, (2,))`, whose items are 0-dim tensors)."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() == 1 and not w.is_floating_point() and w.dtype != torch.bool
+    return isinstance(w, numbers.Integral) and not isinstance(w, bool)
+
+
 def _window(window_size) -> tuple[int, int] | None:
-    """flash-attention's window_size (-1 = unbounded) as fusedattn's (None = no window)."""
-    ok = isinstance(window_size, tuple | list) and len(window_size) == 2
-    if not ok or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
-                         for w in window_size):  # fmt: skip
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    """flash-attention's window_size (-1 = unbounded) as fusedattn's (None = no window): a
+    pair of ints, or of integer tensors, or an integer tensor of two elements, as
+    flash-attention takes it (tensor sides are read to the host, as flash-attention's own
+    `int(window_size[0])` does)."""
+    pair = window_size
+    if isinstance(pair, torch.Tensor):
+        pair = tuple(pair.reshape(-1)) if pair.numel() == 2 and pair.dim() <= 1 else None
+    ok = isinstance(pair, tuple | list) and len(pair) == 2 and all(map(_window_side, pair))
+    if not ok:
+        raise TypeError(
+            "window_size must be a pair (left, right) of ints or of integer tensors (-1 = "
+            f"unbounded), or an integer tensor of two elements, got {window_size!r}"
+        )
+    left, right = (int(w) for w in pair)
     return None if (left, right) == (-1, -1) else (left, right)
 
 
@@ -356,7 +373,7 @@ def flash_attn_with_kvcache(
     every slot of the cache holds a key (flash-attention's default). rotary_cos/rotary_sin
     (seqlen_ro, rotary_dim / 2): the new k is rotated at positions cache_seqlens[b] + i, and q
     too when causal or windowed, else every query at cache_seqlens[b] (flash-attention's
-    rule); cache_batch_idx (B,) int32: sequence b is row cache_batch_idx[b] of a contiguous
+    rule; with cache_leftpad too: positions are cache slots); cache_batch_idx (B,) int32: sequence b is row cache_batch_idx[b] of a contiguous
     cache (read and appended in place, as a page of the whole row)."""
     _check_args(0.0, softmax_scale, causal)
     if cache_seqlens is None:
@@ -372,8 +389,8 @@ def flash_attn_with_kvcache(
         # each sequence's cache row as one page of the row's length: read and written in place
         block_table = cache_batch_idx.to(torch.int32)[:, None]
     if rotary_cos is not None or rotary_sin is not None:
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
-                       rotary_interleaved, causal or tuple(window_size) != (-1, -1))  # fmt: skip
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
+                       causal or _window(window_size) is not None)  # fmt: skip
     with torch.no_grad():
         result = attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
@@ -387,18 +404,16 @@ def flash_attn_with_kvcache(
     return result
 
 
-def _rotate(q, k, cos, sin, cache_seqlens, cache_leftpad, interleaved, positional):
+def _rotate(q, k, cos, sin, cache_seqlens, interleaved, positional):
     if cos is None or sin is None:
         raise ValueError("rotary embedding needs both rotary_cos and rotary_sin")
     if k is None:
         raise ValueError(
             "rotary_cos/rotary_sin apply to the new k: pass k and v (as flash-attention)"
         )
-    if cache_leftpad is not None:
-        raise ValueError(
-            "rotary_cos/rotary_sin with cache_leftpad is not honoured by fusedattn: rotate q "
-            "and k before the call"
-        )
+    # Positions are cache slots, left padding included: flash-attention's kernel reads the
+    # rotary tables at cache_seqlens[b] + i whatever cache_leftpad is (its tests rotate the
+    # reference at seqlen_offsets=cache_seqlens with a left-padded cache).
     offsets = cache_seqlens
     if not isinstance(offsets, torch.Tensor):
         offsets = torch.full((q.shape[0],), int(offsets), dtype=torch.int32, device=q.device)

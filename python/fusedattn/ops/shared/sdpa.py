@@ -39,13 +39,18 @@ def attention(
     alibi_slopes, sinks, return_lse,
 ):  # fmt: skip
     """F.scaled_dot_product_attention with our masks and variants folded into the one mask it
-    takes: key padding and the positional window as a bool mask, ALiBi as a float bias, each
-    sink as one more key of value 0 whose score is the sink (q·0 + sink: exact)."""
+    takes, built once: key padding and the positional window as a bool mask, ALiBi as a float
+    bias, each sink as one more key of value 0 whose score is the sink (q·0 + sink: exact).
+    Around a direct SDPA call with the same mask, an inference call with key padding adds no
+    kernel (the mask's `~` is the one a user writes too); a call that records a backward adds
+    one pass over the output where a row could see no key (tests/test_torch_backend.py
+    counts them)."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    if key_padding_mask is not None:  # a padded key never contributes, even a NaN there
-        hidden = key_padding_mask[:, None, :, None]
-        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    # A padded key gets probability 0 through the mask, as SDPA masks it; K and V are not
+    # copied to zero the padded rows (two K/V-sized writes per call, issue #70), so a NaN or
+    # inf stored at a padded position reaches the output here as it does in SDPA itself
+    # (docs/backends.md). The reference and the kernels never read those rows.
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(q.dtype)  # SDPA's dtype, converted before any broadcast
     # SDPA's own is_causal only for causal alone, with a positive scale: its CPU flash kernel
