@@ -5,10 +5,11 @@ Every bench_*.py builds rows with `make_row` and writes them with `write_csv`, s
 
   op, mode, impl, dtype, B, H, Tq, Tk, D, M, N, causal, mask, pass, ms, tflops, gbps,
   peak_mem_mb, speedup_vs_naive, device, torch, triton, cuda, git_sha, date, note,
-  tokens_per_s, step, loss, pct_of_copy, host_us, spread
+  tokens_per_s, step, loss, pct_of_copy, host_us, spread, transformers
 
 (M is the row count of LayerNorm and softmax, N their row length; mode is fwd, bwd or fwd+bwd,
-or train/infer for the model benchmark, which fills tokens_per_s; the training demo fills step
+or infer/train/infer-compiled/train-compiled for the model benchmark, which fills
+tokens_per_s and the transformers version; the training demo fills step
 and loss; bench_host.py fills host_us, the CPU microseconds of one call.)
 
 Timing: `triton.testing.do_bench` medians on CUDA (it warms up, flushes the L2 between runs and
@@ -39,7 +40,7 @@ COLUMNS = [
     "op", "mode", "impl", "dtype", "B", "H", "Tq", "Tk", "D", "M", "N", "causal", "mask", "pass",
     "ms", "tflops", "gbps", "peak_mem_mb", "speedup_vs_naive", "device", "torch", "triton",
     "cuda", "git_sha", "date", "note", "tokens_per_s", "step", "loss", "pct_of_copy", "host_us",
-    "spread",
+    "spread", "transformers",
 ]  # fmt: skip
 SMALL_MS = 1.0  # calls shorter than this are timed back to back (see the module docstring)
 NOISY_SPREAD = 0.25
@@ -107,9 +108,20 @@ def environment(device: torch.device | None = None) -> dict:
         "torch": info["torch"],
         "triton": info["triton"] or "",
         "cuda": info["torch_cuda"] or "",
+        "transformers": _version_of("transformers"),
         "git_sha": git_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
     }
+
+
+def _version_of(package: str) -> str:
+    """The installed version of a package, '' when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def device_slug(env: dict) -> str:

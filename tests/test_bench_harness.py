@@ -285,44 +285,75 @@ def test_run_all_gate_exits_2_on_a_regression_and_plots(tmp_path, capsys):
     assert report.main([str(tmp_path / "new"), "--compare", str(tmp_path / "old")]) == 2
 
 
+@pytest.mark.slow
 def test_model_benchmark_rows_on_cpu(tmp_path):
+    """The whole structure on tiny models (issue #70): the reference transformer's naive,
+    plain-SDPA, fusedattn-torch and auto rows; Hugging Face GPT-2, padded BERT and a GQA Llama
+    with transformers' sdpa and eager against fusedattn's hook; every mode, compiled ones with
+    dynamo's eager backend; each row checked against float64."""
     import bench_model
 
     rows = bench_model.run(True, torch.device("cpu"), harness.environment())
-    assert {r["impl"] for r in rows} >= {"naive", "torch", "auto"}
-    assert {r["op"] for r in rows} == {"model:tiny-decoder", "model:tiny-encoder-padded"}
-    assert {r["mode"] for r in rows} == {"train", "infer", "infer-compiled"}
-    # torch and auto also compiled (fullgraph; dynamo's eager backend on a CPU)
-    compiled = {(r["op"], r["impl"]) for r in rows if r["mode"] == "infer-compiled"}
-    assert {impl for _, impl in compiled} == {"torch", "auto"} and len(compiled) == 4
+    ops = {r["op"] for r in rows}
+    assert ops == {"model:gpt2-small", "model:bert-base-padded", "hf:gpt2", "hf:bert-padded",
+                   "hf:llama3"}  # fmt: skip
+    impls = {op: {r["impl"] for r in rows if r["op"] == op} for op in ops}
+    assert impls["model:gpt2-small"] == {"naive", "sdpa", "fusedattn-torch", "auto"}
+    assert impls["hf:llama3"] == {"sdpa", "eager", "fusedattn"}
+    for op in ops:
+        modes = {(r["impl"], r["mode"]) for r in rows if r["op"] == op}
+        for impl in impls[op] - {"naive"}:
+            assert {m for i, m in modes if i == impl} == set(bench_model.MODES), (op, impl)
     assert all(r["pass"] == "yes" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(r["transformers"] for r in rows)
     assert any(r["speedup_vs_naive"] not in ("", 1.0) for r in rows)
+
+
+@pytest.mark.slow
+def test_model_benchmark_times_each_group_in_a_process_of_its_own():
+    """--isolate row (a GPU's default): the eager modes of a (model, impl) in one child
+    process, each compiled mode in another, nothing compiled in this one; rows come back."""
+    import bench_model
+
+    torch._dynamo.utils.counters.clear()
+    rows = bench_model.run(True, torch.device("cpu"), {"device": "cpu"}, isolate="row",
+                           models=("llama3",), impls=("fusedattn",),
+                           modes=("infer", "infer-compiled"))  # fmt: skip
+    assert [(r["op"], r["impl"], r["mode"]) for r in rows] == [
+        ("hf:llama3", "fusedattn", "infer"), ("hf:llama3", "fusedattn", "infer-compiled")]
+    assert all(r["pass"] == "yes" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.slow
 @ON_GPU_THE_BENCH_RUNS
 def test_model_benchmark_kernel_rows_run_through_the_interpreter(monkeypatch):
     """The GPU-only fusedattn-triton model rows, run here so a GPU session does not find
-    their bugs (one length, timing stubbed)."""
+    their bugs (one layer, one short length, timing stubbed)."""
     import bench_model
+    import model_cases
 
     monkeypatch.setattr(harness, "kernel_backends", lambda op, device: ["triton"])
-    # timing stubbed: one call (bench_model times through time_stats; a stub of time_ms here
-    # once left every row repeated, 90 s of the interpreter)
     monkeypatch.setattr(harness, "time_stats", lambda fn, device, reps=1: (fn(), (1.0, 0.0))[1])
+    monkeypatch.setattr(bench_model, "_steady", lambda fn, device, limit=1: None)
+    cases = model_cases.cases
 
-    def one_layer(cfg):  # every layer runs the same kernels: one of each kind is enough
-        return dataclasses.replace(cfg, n_encoder_layers=min(cfg.n_encoder_layers, 1),
-                                   n_decoder_layers=min(cfg.n_decoder_layers, 1))  # fmt: skip
+    def small(quick, device):
+        out = []
+        for c in cases(quick, device):
+            config = dict(c.config)
+            for key in ("n_encoder_layers", "n_decoder_layers", "layers"):
+                if config.get(key):
+                    config[key] = 1
+            out.append(dataclasses.replace(c, lengths=(16,), tokens=32, config=config))
+        return out
 
-    small = [dataclasses.replace(c, lengths=(16,), tokens=32, cfg=one_layer(c.cfg))
-             for c in bench_model.cases(True, torch.device("cpu"))]  # fmt: skip
-    monkeypatch.setattr(bench_model, "cases", lambda quick, device: small)
-    # dynamo traces of the torch and auto models: test_model_benchmark_rows_on_cpu has them
-    monkeypatch.setattr(bench_model, "COMPILED", ())
-    rows = bench_model.run(True, torch.device("cpu"), {"device": "cpu"})
-    ours = [r for r in rows if r["impl"] == "fusedattn-triton"]
-    assert len(ours) == 4 and all(r["pass"] == "yes" for r in ours)
+    monkeypatch.setattr(model_cases, "cases", small)
+    rows = bench_model.run(True, torch.device("cpu"), {"device": "cpu"}, impls=("fusedattn-triton",),
+                           modes=("infer", "train"))  # fmt: skip
+    assert {r["op"] for r in rows} == {"model:gpt2-small", "model:bert-base-padded", "hf:gpt2",
+                                       "hf:bert-padded", "hf:llama3"}  # fmt: skip
+    assert len(rows) == 10 and all(r["pass"] == "yes" for r in rows)
 
 
 @pytest.mark.slow

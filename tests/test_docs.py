@@ -182,3 +182,31 @@ def test_the_results_block_shows_decode_and_model_runs_once_a_gpu_has_measured_t
     assert "fusedattn 2048" in text
     assert "| bert-base-padded, train, 2048 | OOM | — | 163.8k | — | — |" in text
     assert "benchmarks/results/h200/decode.csv" in text and "Not yet measured" not in text
+
+
+def test_model_headline_compares_auto_with_the_best_baseline_a_user_has(tmp_path, monkeypatch):
+    """With the user baselines measured (issue #70), each model, length and mode shows the
+    fastest of transformers' sdpa / eager / flash_attention_2 (plain SDPA for the reference
+    transformer) against auto, eager against eager and compiled against compiled, with both
+    ratios; fusedattn-torch (fusedattn's own wrapper) is no baseline."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+    import headline
+
+    env = {"device": "NVIDIA H200", "date": "2026-12-01T10:00:00"}
+    shape = dict(dtype="bfloat16", B=32, H=12, Tq=512, Tk=512, D=768, **{"pass": "yes"})
+    speeds = {("hf:gpt2", "infer", "sdpa"): 1000e3, ("hf:gpt2", "infer", "eager"): 800e3,
+              ("hf:gpt2", "infer", "fusedattn"): 1100e3,
+              ("hf:gpt2", "infer-compiled", "sdpa"): 1500e3,
+              ("hf:gpt2", "infer-compiled", "fusedattn"): 1200e3,
+              ("model:gpt2-small", "train", "sdpa"): 300e3,
+              ("model:gpt2-small", "train", "fusedattn-torch"): 900e3,
+              ("model:gpt2-small", "train", "auto"): 330e3}  # fmt: skip
+    rows = [harness.make_row(env, op=op, mode=mode, impl=impl, tokens_per_s=t, **shape)
+            for (op, mode, impl), t in speeds.items()]  # fmt: skip
+    harness.write_csv(rows, tmp_path / "h200" / "model.csv")
+    monkeypatch.setattr(headline, "RESULTS", tmp_path)
+    text = headline.markdown()
+    assert "auto against the best baseline a user has" in text
+    assert "| hf:gpt2, 512, infer | sdpa 1000.0k | 1100.0k | 1.10× | sdpa 1500.0k | 1200.0k | 0.80× |" in text
+    assert "| model:gpt2-small, 512, train | sdpa 300.0k | 330.0k | 1.10× | — | — | — |" in text
