@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py [--quick] [--out DIR] [--isolate row|none]
         [--only-models a,b] [--only-impls x,y] [--only-modes infer,train] [--compile-jobs N]
+        [--deadline SECONDS]
 
 The baselines are what a user has without fusedattn (model_cases.py): Hugging Face models
 (`hf:<name>`) with transformers' own attn_implementation (eager, sdpa, flash_attention_2 where
@@ -140,22 +141,29 @@ def run_group(case: Case, impl: str, modes: tuple[str, ...], device: torch.devic
     return rows
 
 
-def plan(quick: bool, device: torch.device, models=None, impls=None, modes=MODES):
+def plan(quick: bool, device: torch.device, models=None, impls=None, modes=MODES,
+         isolate: str = "none"):  # fmt: skip
     """[(case, impl, modes)]: each (case, impl)'s eager modes as one group, each compiled mode
-    as a group of its own; eager groups first."""
-    eager, compiled = [], []
+    as a group of its own. In one process (isolate "none") every eager group comes before
+    any compiled one; in processes of their own (a GPU run a deadline may cut) auto against
+    the user baselines first, eager then compiled, then fusedattn's other backends."""
+    tiers = {0: [], 1: [], 2: [], 3: []}
     for case in model_cases.cases(quick, device):
         if models and case.name not in models:
             continue
         for impl in model_cases.impls(case, device):
             if impls and impl not in impls:
                 continue
+            main = impl in (*model_cases.BASELINES, *model_cases.HF_HOOKS.keys(), "auto")
+            main = main and impl not in ("fusedattn-triton", "fusedattn-cuda")
             plain = tuple(m for m in modes if not m.endswith("-compiled"))
             if plain:
-                eager.append((case, impl, plain))
+                tiers[0 if main else 2].append((case, impl, plain))
             if impl != "naive":  # the O(T^2) modules are the correctness yardstick, not a target
-                compiled += [(case, impl, (m,)) for m in modes if m.endswith("-compiled")]
-    return eager + compiled
+                tiers[1 if main else 3] += [(case, impl, (m,)) for m in modes
+                                            if m.endswith("-compiled")]  # fmt: skip
+    order = (0, 2, 1, 3) if isolate == "none" else (0, 1, 2, 3)
+    return [group for tier in order for group in tiers[tier]]
 
 
 def _child(case: Case, impl: str, modes, quick: bool, device, *, warm: bool = False,
@@ -189,9 +197,10 @@ def _child(case: Case, impl: str, modes, quick: bool, device, *, warm: bool = Fa
     return rows
 
 
-def _warm_compiled(groups, quick, device, jobs: int) -> None:
+def _warm_compiled(groups, quick, device, jobs: int, timeout: float = 600.0) -> None:
     """Compile every compiled group once in `jobs` processes at a time (inductor's FX-graph
-    and Triton caches on disk), so the timing processes find their kernels built."""
+    and Triton caches on disk), so the timing processes find their kernels built; a group
+    still compiling after `timeout` seconds is left to its timing process."""
     import concurrent.futures
 
     compiled = [g for g in groups if g[2][0].endswith("-compiled")]
@@ -199,21 +208,32 @@ def _warm_compiled(groups, quick, device, jobs: int) -> None:
         return
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(lambda g: _child(*g, quick, device, warm=True), compiled))
+        list(pool.map(lambda g: _child(*g, quick, device, warm=True, timeout=timeout),
+                      compiled))  # fmt: skip
     print(f"  compiled {len(compiled)} model groups in {time.perf_counter() - start:.0f}s "
           f"on {jobs} processes", flush=True)  # fmt: skip
 
 
 def run(quick: bool, device: torch.device, env: dict, *, isolate: str | None = None,
-        models=None, impls=None, modes=MODES, compile_jobs: int | None = None) -> list[dict]:  # fmt: skip
+        models=None, impls=None, modes=MODES, compile_jobs: int | None = None,
+        deadline: float | None = None) -> list[dict]:  # fmt: skip
+    """deadline: seconds from now after which no group starts (isolate "row"; a child still
+    running then is stopped at it), so a device call ends with its rows written."""
+    start = time.monotonic()
     isolate = isolate or ("row" if device.type == "cuda" else "none")
-    groups = plan(quick, device, models, impls, modes)
+    groups = plan(quick, device, models, impls, modes, isolate)
     rows = []
     if isolate == "row":
         jobs = compile_jobs if compile_jobs is not None else (4 if device.type == "cuda" else 0)
-        _warm_compiled(groups, quick, device, jobs)
+        _warm_compiled(groups, quick, device, jobs, 600.0 if deadline is None else 0.35 * deadline)
         for case, impl, group_modes in groups:
-            rows += _child(case, impl, group_modes, quick, device)
+            left = None if deadline is None else deadline - (time.monotonic() - start)
+            if left is not None and left < 10:
+                print(f"  {case.op} {impl} {','.join(group_modes)}: not run, the deadline "
+                      f"({deadline:.0f} s) is reached", flush=True)  # fmt: skip
+                continue
+            rows += _child(case, impl, group_modes, quick, device,
+                           timeout=900.0 if left is None else left)  # fmt: skip
     else:
         for case, impl, group_modes in groups:
             if group_modes[0].endswith("-compiled"):
@@ -254,13 +274,15 @@ def main(argv=None) -> None:
     parser.add_argument("--only-impls", default=None, help="comma-separated impls")
     parser.add_argument("--only-modes", default=None, help="comma-separated modes")
     parser.add_argument("--compile-jobs", type=int, default=None)
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no more groups start (a device call's limit)")
     args = parser.parse_args(argv)
     split = lambda s: tuple(s.split(",")) if s else None  # noqa: E731
 
     def run_selected(quick, device, env):
         return run(quick, device, env, isolate=args.isolate, models=split(args.only_models),
                    impls=split(args.only_impls), modes=split(args.only_modes) or MODES,
-                   compile_jobs=args.compile_jobs)  # fmt: skip
+                   compile_jobs=args.compile_jobs, deadline=args.deadline)  # fmt: skip
 
     argv_rest = ["--quick"] * args.quick + (["--out", str(args.out)] if args.out else [])
     harness.cli(run_selected, "model.csv", argv_rest)

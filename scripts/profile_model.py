@@ -1,14 +1,15 @@
-"""Where a swapped model's step goes, per impl: the backend `auto` picked for each op call, the
-step's median time, and the GPU kernels that took the most time (torch.profiler).
+"""Where a model's step goes, per impl: the backend `auto` picked for each op call, the step's
+median time, and the GPU kernels that took the most time (torch.profiler), so a row where
+`auto` trails the best baseline a user has says where the time went.
 
-    python3 scripts/profile_model.py [--model gpt2-small] [--T 512] [--mode infer]
-                                     [--impls torch,auto,cuda,triton]
+    python3 scripts/profile_model.py [--model bert-base-padded] [--T 512] [--mode infer]
+                                     [--impls sdpa,auto]
 
-Why: on the H200 (2026-11-27, benchmarks/results/h200/model.csv) GPT-2-small inference at
-T=512 took 28.7 ms with `auto` against 12.5 ms swapped to torch and 9.4 ms to cuda, while
-`auto` then sent attention to torch and LayerNorm to cuda, the pieces of the two faster rows.
-This prints what each variant ran, so the next GPU run says why. The models and batches are
-bench_model.py's (B*T = 16k tokens, bf16). CPU: a tiny model, to check the script runs.
+The models, impls and batches are bench_model.py's (model_cases.py: B*T = 16k tokens, bf16;
+`model:` cases take sdpa, naive, fusedattn-torch, auto, fusedattn-triton, fusedattn-cuda;
+`hf:` cases eager, sdpa, fusedattn, fusedattn-triton, fusedattn-cuda). Why: on the H200
+(2026-11-28) padded BERT at T=512 ran 0.70x under auto against fusedattn's own SDPA wrapper;
+the `models` preset profiles it against plain SDPA. CPU: a tiny model, to check it runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import copy
 import sys
 from pathlib import Path
 
@@ -25,12 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_model  # noqa: E402
 import harness  # noqa: E402
+import model_cases  # noqa: E402
 
-import fusedattn  # noqa: E402
 from fusedattn.ops.core import auto, backends, plans  # noqa: E402
-from fusedattn.reference.transformer import Transformer  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -56,37 +54,39 @@ def record_choices():
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-small")
+    parser.add_argument("--model", default="bert-base-padded")
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--mode", choices=("infer", "train"), default="infer")
-    parser.add_argument("--impls", default="torch,auto,cuda,triton")
+    parser.add_argument("--impls", default="sdpa,auto")
     parser.add_argument("--top", type=int, default=8, help="kernels listed per impl")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cases = {c.name: c for c in bench_model.cases(quick=True, device=device)}
-    case = cases.get(args.model) or next(iter(cases.values()))
+    cases = {c.name: c for c in model_cases.cases(quick=True, device=device)}
+    case = cases[args.model]
     T = args.T if device.type == "cuda" else case.lengths[0]
     B = max(1, case.tokens // T)
-    torch.manual_seed(0)
-    naive = Transformer(case.cfg).to(device=device, dtype=case.dtype)
-    src, tgt = bench_model.batch(case, T, B, device)
-    print(f"{case.name} {args.mode} B={B} T={T} on {device}")
+    inputs = model_cases.batch(case, T, B, device)
+    print(f"{case.op} {args.mode} B={B} T={T} on {device}")
+    times = {}
     with record_choices() as seen:
         for impl in args.impls.split(","):
-            profile(impl, naive, case, src, tgt, seen, args, device)
+            times[impl] = profile(impl, case, inputs, seen, args, device)
+    fastest = min(times, key=times.get)
+    print("\n" + ", ".join(f"{impl} {ms:.2f} ms ({times[fastest] / ms:.2f}x the fastest)"
+                           for impl, ms in times.items()))  # fmt: skip
     return 0
 
 
-def profile(impl, naive, case, src, tgt, seen, args, device):
-    """One variant: the step time, auto's choices in one step, the top kernels."""
-    model = fusedattn.swap_modules(copy.deepcopy(naive), backend=impl)
+def profile(impl, case, inputs, seen, args, device) -> float:
+    """One impl: the step time, auto's choices in one step, the top kernels."""
+    model, _ = model_cases.build(case, impl, device)
     model.train(args.mode == "train")
 
     def step(model=model):
         if args.mode == "infer":
             with torch.no_grad():
-                return bench_model.forward(model, case, src, tgt)
-        model.loss(src, tgt).backward()
+                return model_cases.forward(case, model, inputs)
+        model_cases.loss(case, model, inputs).backward()
         model.zero_grad(set_to_none=True)
 
     step()
@@ -106,6 +106,7 @@ def profile(impl, naive, case, src, tgt, seen, args, device):
             torch.cuda.synchronize()
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=60))
+    return ms
 
 
 if __name__ == "__main__":
