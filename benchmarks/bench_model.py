@@ -274,8 +274,12 @@ def main(argv=None) -> None:
     parser.add_argument("--only-impls", default=None, help="comma-separated impls")
     parser.add_argument("--only-modes", default=None, help="comma-separated modes")
     parser.add_argument("--compile-jobs", type=int, default=None)
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which no more groups start (a device call's limit)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds after which no more groups start (a device call's limit)",
+    )
     args = parser.parse_args(argv)
     split = lambda s: tuple(s.split(",")) if s else None  # noqa: E731
 

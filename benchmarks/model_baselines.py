@@ -32,14 +32,16 @@ class SdpaSelfAttention(nn.Module):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=False,
                 attn_mask=None, is_causal=False):  # fmt: skip
-        B, Tq, E = query.shape
+        Tq = query.shape[1]
         if query is key and key is value:
             q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
         else:
             w, b = self.in_proj_weight.chunk(3), (self.in_proj_bias.chunk(3)
                                                   if self.in_proj_bias is not None
                                                   else (None,) * 3)  # fmt: skip
-            q, k, v = (F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), w, b))
+            q, k, v = (
+                F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), w, b, strict=True)
+            )
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for t in (q, k, v))
         mask = None
         if key_padding_mask is not None:

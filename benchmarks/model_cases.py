@@ -70,8 +70,7 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         Case("model", "gpt2-small", lengths, tokens, dtype, config=gpt2),
         Case("model", "bert-base-padded", lengths, tokens, dtype, padded=True, config=bert),
         Case("hf", "gpt2", lengths, tokens, dtype, config=dict(hf_width, arch="gpt2")),
-        Case("hf", "bert-padded", lengths, tokens, dtype, padded=True,
-             config=dict(hf_width, arch="bert")),  # fmt: skip
+        Case("hf", "bert-padded", lengths, tokens, dtype, True, dict(hf_width, arch="bert")),
         Case("hf", "llama3", lengths, tokens, dtype, config=dict(llama, arch="llama")),
     ]
 

@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.device("cuda")
 
 
-def qkv(D=128, T=2048, dtype=torch.bfloat16, grad=False):
+def qkv(D=128, T=4096, dtype=torch.bfloat16, grad=False):
     return [torch.randn(1, 2, T, D, dtype=dtype, requires_grad=grad) for _ in range(3)]
 
 
 def test_call_keys_read_only_shapes_and_flags():
     q, k, v = qkv()
-    kpm = torch.zeros(1, 2048, dtype=torch.bool)
+    kpm = torch.zeros(1, 4096, dtype=torch.bool)
     inputs = attention_inputs(q, k, v, key_padding_mask=kpm, window=Window(-1, 0))
     assert auto.call_key("attention", inputs) == (
         "fwd",
@@ -34,6 +34,9 @@ def test_call_keys_read_only_shapes_and_flags():
         "key_padding",
         "<=4k",
     )
+    # buckets at the measured 256, 512, 1k, 2k and 4k keys (issue #70), each its own row
+    for T, bucket in ((200, "<=256"), (512, "<=512"), (1000, "<=1k"), (2048, "<=2k")):
+        assert auto.call_key("attention", attention_inputs(*qkv(T=T)))[5] == bucket
     q, k, v = qkv(D=80, T=9000, grad=True)
     inputs = attention_inputs(q, k, v, attn_mask=torch.ones(9000, 9000, dtype=torch.bool))
     assert auto.call_key("attention", inputs) == ("fwd+bwd", "bfloat16", 128, False, "bool", ">4k")
@@ -66,7 +69,7 @@ def table(monkeypatch):
 
 
 def test_measured_buckets_lead_and_the_rest_keep_the_default_order(table, monkeypatch):
-    kpm = torch.zeros(1, 2048, dtype=torch.bool)
+    kpm = torch.zeros(1, 4096, dtype=torch.bool)
     hit = attention_inputs(*qkv(), key_padding_mask=kpm, window=Window(-1, 0))
     assert backends.auto_order("attention", CUDA, hit) == ("triton", "torch", "cuda", "reference")
     miss = attention_inputs(*qkv(D=64), key_padding_mask=kpm, window=Window(-1, 0))
@@ -135,15 +138,21 @@ def case(impl, ms, mode="fwd", mask="key_padding", causal=True, D=128, T=4096, o
                 D=D, causal=causal, mask=mask, ms=ms, **{"pass": ok})  # fmt: skip
 
 
-def test_generator_orders_by_speed_against_the_fastest_sdpa_with_a_margin(generator, tmp_path):
+def test_generator_orders_by_speed_against_fusedattns_torch_backend_with_a_margin(
+    generator, tmp_path
+):
+    """torch is fusedattn's torch backend as a call reaches it (fusedattn-torch rows), not a
+    pinned SDPA backend on a pre-merged mask: SDPA rows order nothing (issue #70)."""
     write_rows(tmp_path, [
-        case("sdpa-flash", 2.0), case("sdpa-efficient", 1.5), case("sdpa-math", 9.0),
+        case("fusedattn-torch", 1.5), case("sdpa-efficient", 0.5), case("sdpa-math", 9.0),
         case("fusedattn-triton", 1.0), case("fusedattn-cuda", 1.48),  # within the 3% margin
         case("naive", 20.0),
-        case("sdpa-efficient", 1.0, mask="none"), case("fusedattn-triton", 0.5, mask="none", ok="no: wrong"),
-        case("sdpa-flash", 1.0, mode="bwd"), case("fusedattn-triton", 0.1, mode="bwd"),
+        case("fusedattn-torch", 1.0, mask="none"), case("fusedattn-triton", 0.5, mask="none", ok="no: wrong"),
+        case("fusedattn-torch", 1.0, mode="bwd"), case("fusedattn-triton", 0.1, mode="bwd"),
         # softcap rows: no call has that kind (auto keys softcap calls as "variant"): no key
-        case("sdpa-flash", 1.0, mask="softcap"), case("fusedattn-triton", 0.1, mask="softcap"),
+        case("fusedattn-torch", 1.0, mask="softcap"), case("fusedattn-triton", 0.1, mask="softcap"),
+        # a key where only SDPA was timed: not decided (the default order serves it)
+        case("sdpa-flash", 2.0, T=512), case("fusedattn-triton", 1.0, T=512),
     ])  # fmt: skip
     table = generator.build([tmp_path], set(), 0.03)
     keys = table["sm_90"]["attention"]
@@ -153,6 +162,7 @@ def test_generator_orders_by_speed_against_the_fastest_sdpa_with_a_margin(genera
     )  # failed rows do not count
     assert not any(k[0] == "bwd" for k in keys)  # auto never asks for bwd alone
     assert not any(k[4] == "softcap" for k in keys)
+    assert not any(k[5] == "<=512" for k in keys)
     stale = generator.build([tmp_path], {("fusedattn-triton", "attention")}, 0.03)
     assert stale["sm_90"]["attention"][("fwd", "bfloat16", 128, True, "key_padding", "<=4k")] == (
         "torch",
@@ -166,7 +176,7 @@ def test_generator_orders_by_speed_against_the_fastest_sdpa_with_a_margin(genera
 
 
 def test_a_generated_key_is_the_key_of_a_call_with_those_shapes(generator, tmp_path, monkeypatch):
-    write_rows(tmp_path, [case("sdpa-flash", 2.0), case("fusedattn-cuda", 1.0)])
+    write_rows(tmp_path, [case("fusedattn-torch", 2.0), case("fusedattn-cuda", 1.0)])
     monkeypatch.setattr(auto, "TABLE", generator.build([tmp_path], set(), 0.03))
     monkeypatch.setattr(auto, "capability", lambda index: "sm_90")
     q, k, v = qkv(T=4096)
@@ -184,7 +194,22 @@ def test_the_committed_table_is_what_the_committed_results_give(generator):
     if "excluded as stale: none" not in source and source:
         stale = source.split("excluded as stale: ")[1].split(";")[0]
         exclude = {tuple(x.strip().rstrip(")").split(" (")) for x in stale.split(",")}
-    assert generator.build(folders, exclude, 0.03) == auto.TABLE
+    bound = generator.SDPA_BOUND_NOTE in source
+    assert generator.build(folders, exclude, 0.03, bound) == auto.TABLE
+
+
+def test_the_sdpa_bound_stands_in_for_torch_only_where_no_fusedattn_torch_row_is(
+    generator, tmp_path
+):
+    write_rows(tmp_path, [
+        case("sdpa-cudnn", 2.0), case("sdpa-flash", 1.2), case("fusedattn-triton", 1.0),
+        case("fusedattn-torch", 0.9, T=512), case("sdpa-flash", 0.5, T=512),
+        case("fusedattn-triton", 0.7, T=512),
+    ])  # fmt: skip
+    keys = generator.build([tmp_path], set(), 0.03, sdpa_bound=True)["sm_90"]["attention"]
+    assert keys[("fwd", "bfloat16", 128, True, "key_padding", "<=4k")] == ("triton", "torch")
+    assert keys[("fwd", "bfloat16", 128, True, "key_padding", "<=512")] == ("triton", "torch")
+    assert generator.SDPA_BOUND_NOTE in generator.render({}, ["x"], set(), 0.03, True)
 
 
 def test_info_prints_the_table_in_force():

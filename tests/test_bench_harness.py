@@ -320,7 +320,9 @@ def test_model_benchmark_times_each_group_in_a_process_of_its_own():
                            models=("llama3",), impls=("fusedattn",),
                            modes=("infer", "infer-compiled"))  # fmt: skip
     assert [(r["op"], r["impl"], r["mode"]) for r in rows] == [
-        ("hf:llama3", "fusedattn", "infer"), ("hf:llama3", "fusedattn", "infer-compiled")]
+        ("hf:llama3", "fusedattn", "infer"),
+        ("hf:llama3", "fusedattn", "infer-compiled"),
+    ]
     assert all(r["pass"] == "yes" and float(r["tokens_per_s"]) > 0 for r in rows)
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -498,7 +500,7 @@ def test_profile_model_prints_autos_choices_and_the_step_time(capsys):
     assert "== sdpa:" in out and "== auto:" in out and "ms per infer step" in out
     assert "the fastest)" in out
     assert (
-        "auto:   2 x attention ('fwd', 'float32', 64, True, 'key_padding', '<=1k') -> torch" in out
+        "auto:   2 x attention ('fwd', 'float32', 64, True, 'key_padding', '<=256') -> torch" in out
     )
     assert "x layer_norm ('fwd', 'float32', '<=1k') -> torch" in out
 

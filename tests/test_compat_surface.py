@@ -299,7 +299,10 @@ def test_with_kvcache_rotates_a_left_padded_cache_at_its_slots():
     B, S, H, D = 2, 24, 2, 16
     q, k_new, v_new = torch.randn(B, 2, H, D), torch.randn(B, 2, H, D), torch.randn(B, 2, H, D)
     caches = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
-    lengths, leftpad = torch.tensor([9, 14], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    lengths, leftpad = (
+        torch.tensor([9, 14], dtype=torch.int32),
+        torch.tensor([3, 0], dtype=torch.int32),
+    )
     cos, sin = tables(S, D)
     got_caches = caches[0].clone(), caches[1].clone()
     got = compat.flash_attn_with_kvcache(q, *got_caches, k_new, v_new, rotary_cos=cos,

@@ -208,5 +208,8 @@ def test_model_headline_compares_auto_with_the_best_baseline_a_user_has(tmp_path
     monkeypatch.setattr(headline, "RESULTS", tmp_path)
     text = headline.markdown()
     assert "auto against the best baseline a user has" in text
-    assert "| hf:gpt2, 512, infer | sdpa 1000.0k | 1100.0k | 1.10× | sdpa 1500.0k | 1200.0k | 0.80× |" in text
+    assert (
+        "| hf:gpt2, 512, infer | sdpa 1000.0k | 1100.0k | 1.10× | sdpa 1500.0k | 1200.0k | 0.80× |"
+        in text
+    )
     assert "| model:gpt2-small, 512, train | sdpa 300.0k | 330.0k | 1.10× | — | — | — |" in text

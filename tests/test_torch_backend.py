@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from hard_shapes import AttentionShape, attention_shapes, make_qkv
 from kx_check import assert_op_kx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedattn
 from fusedattn import reference
 from fusedattn.testing import ABS_FLOOR
-from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
