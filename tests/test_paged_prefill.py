@@ -117,6 +117,24 @@ def test_triton_reads_the_pages_in_place_never_a_gathered_copy(monkeypatch):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_nan_past_each_sequence_and_in_unowned_pages_never_leaks(backend):
+    """The torch path gathers the pages into a copy: positions past a sequence's keys and pages
+    no sequence owns may hold NaN (an empty cache) and must add nothing."""
+    q, kc, vc, bt, cu_q, cu_k, _, _ = paged_case(torch.float32, 8)
+    for b, n in enumerate(K_LENGTHS):
+        for j in range(n, bt.shape[1] * 8):
+            kc[bt[b, j // 8], j % 8], vc[bt[b, j // 8], j % 8] = float("nan"), float("nan")
+    used = {int(p) for b, n in enumerate(K_LENGTHS) for p in bt[b, : -(-n // 8)]}
+    for page in set(range(kc.shape[0])) - used:
+        kc[page], vc[page] = float("nan"), float("nan")
+    with torch.no_grad():
+        out = fusedattn.varlen_attention(q, kc, vc, cu_q, cu_k, 7, 33, block_table=bt,
+                                         enable_gqa=True, is_causal=True,
+                                         causal_alignment="bottom_right", backend=backend)  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
 def test_refusals_and_bad_values_are_clear_errors():
     q, kc, vc, bt, cu_q, cu_k, _, _ = paged_case(torch.float32, 8)
     args = (q, kc, vc, cu_q, cu_k, 7, 33)

@@ -57,7 +57,11 @@ def attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_ma
                          cache_leftpad, key_mask, scale, window, softcap, alibi_slopes, sinks,
                          num_splits, return_lse).to(dtype)  # fmt: skip
     keep, pos = visible_keys(seqlens_k, cache_leftpad, key_mask, Tq, keys.shape[2], window)
-    padding = ~keep.any(dim=2)[:, 0]  # (B, capacity): keys no query sees, zero-filled by SDPA's
+    # Slots no query sees (unused, left padding, pages past the end) may hold anything, NaN
+    # included (an empty cache): zeroed here, as the cache is read, so that a masked slot adds
+    # exactly 0 (SDPA masks by adding -inf, and NaN + -inf is NaN).
+    unseen = ~keep.any(dim=2)[:, 0][:, None, :, None]  # (B, 1, capacity, 1)
+    keys, values = keys.masked_fill(unseen, 0.0), values.masked_fill(unseen, 0.0)
     mask = keep
     if alibi_slopes is not None:
         compute = torch.float64 if q.dtype == torch.float64 else alibi_slopes.dtype
@@ -67,7 +71,7 @@ def attention(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_ma
         bias = -slopes * (pos[:, None] - j).abs().to(compute)  # (B or 1, Hq, Tq, cap)
         mask = bias.masked_fill(~keep, float("-inf"))
     out = sdpa.attention(
-        q.transpose(1, 2), keys, values, mask, 0.0, scale, q.shape[2] != keys.shape[1], padding,
+        q.transpose(1, 2), keys, values, mask, 0.0, scale, q.shape[2] != keys.shape[1], None,
         NO_WINDOW, 0.0, None, sinks, False,
     )  # fmt: skip
     return out.transpose(1, 2)
