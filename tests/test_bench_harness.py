@@ -500,7 +500,7 @@ def test_profile_model_prints_autos_choices_and_the_step_time(capsys):
     assert "== sdpa:" in out and "== auto:" in out and "ms per infer step" in out
     assert "the fastest)" in out
     assert (
-        "auto:   2 x attention ('fwd', 'float32', 64, True, 'key_padding', '<=256') -> torch" in out
+        "auto:   1 x attention ('fwd', 'float32', 64, True, 'key_padding', '<=256') -> torch" in out
     )
     assert "x layer_norm ('fwd', 'float32', '<=1k') -> torch" in out
 

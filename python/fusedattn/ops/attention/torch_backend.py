@@ -71,15 +71,18 @@ def varlen_attention(
     qd = _padded(q, cu_seqlens_q, max_seqlen_q)
     if block_table is None:
         kd, vd = _padded(k, cu_seqlens_k, max_seqlen_k), _padded(v, cu_seqlens_k, max_seqlen_k)
-    else:  # positions past a sequence read whatever their page holds (NaN in an empty cache):
-        # zeroed in the gathered copy, so that a masked key adds exactly 0
-        past = torch.arange(max_seqlen_k, device=q.device) >= lens_k[:, None]
-        past = past[:, None, :, None]
-        kd = paged_positions(k, block_table, max_seqlen_k).masked_fill(past, 0.0)
-        vd = paged_positions(v, block_table, max_seqlen_k).masked_fill(past, 0.0)
+    else:
+        kd, vd = (
+            paged_positions(k, block_table, max_seqlen_k),
+            paged_positions(v, block_table, max_seqlen_k),
+        )
     if k_descale is not None:  # fp8: dequantized per sequence and head, computed in float32
         qd = qd.float() if q_descale is None else dequantize_heads(qd, q_descale)
         kd, vd = dequantize_heads(kd, k_descale), dequantize_heads(vd, v_descale)
+    if block_table is not None:  # positions past a sequence read whatever their page holds
+        # (NaN in an empty cache): zeroed in the gathered copy, so a masked key adds exactly 0
+        past = (torch.arange(max_seqlen_k, device=q.device) >= lens_k[:, None])[:, None, :, None]
+        kd, vd = kd.masked_fill(past, 0.0), vd.masked_fill(past, 0.0)
     i = torch.arange(max_seqlen_q, device=q.device)[None, :, None]
     j = torch.arange(max_seqlen_k, device=q.device)[None, None, :]
     p = i + (lens_k - lens_q)[:, None, None] if window.bottom_right else i  # query positions
