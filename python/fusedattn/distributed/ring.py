@@ -1,16 +1,5 @@
-"""Context parallelism on torch.distributed: attention over a sequence sharded across ranks.
-
-    from fusedattn import distributed as cp
-    q, k, v = (cp.shard_sequence(t, dim=2) for t in (q_full, k_full, v_full))   # this rank's
-    out = cp.context_parallel_attention(q, k, v, is_causal=True)                # its output
-    full = cp.unshard_sequence(out, dim=2)
-
-Each rank holds a shard of the sequence, T/W positions of it (W = the group's size):
-layout "contiguous" gives rank r chunk r of W; "zigzag" cuts the sequence in 2W chunks and
-gives rank r chunks r and 2W - 1 - r, so that under a causal mask every rank has the same work.
-`context_parallel_attention` returns this rank's shard of `fusedattn.attention` on the whole
-sequence (top-left positions: query and key t are both global position t), forward and
-backward, computed block by block: this rank's query chunks against every rank's K/V chunk.
+"""Ring and all-gather context parallelism: this rank's query chunks against every rank's K/V
+chunk, block by block.
 
 - strategy "ring": K/V (the Hkv heads only) travel rank to rank with batched point-to-point
   operations, the next block's transfer in flight while the kernel works on the block at hand;
@@ -27,17 +16,12 @@ backward, computed block by block: this rank's query chunks against every rank's
   part (the data-parallel reduction sums them, as for every parameter).
 - Backends: "triton" (the kernels, their backward taking the row's out and lse), "reference"
   (naive blocks, float64 capable), "torch" (SDPA for a block's output; its lse, which SDPA
-  does not return, from the block's scores, naively); "auto" is triton on a GPU, torch on a CPU.
-  Dropout is refused: blocks would draw independent masks.
-
-Built only on torch.distributed (NCCL on GPUs, gloo on CPUs). Every rank must call with the
-same shapes and options: they are checked with one small all-gather first, and a mismatch
-raises the same ValueError on every rank instead of hanging.
+  does not return, from the block's scores, naively). Dropout is refused: blocks would draw
+  independent masks.
 """
 
 from __future__ import annotations
 
-import numbers
 import warnings
 import zlib
 from typing import NamedTuple
@@ -45,85 +29,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .checks import check_attention_args, check_bool, check_dropout, check_tensor
-from .masks import NO_WINDOW, Window, window_mask
-from .ops import attention
-from .ops.attention import custom_ops
-from .ops.core import backends
-from .reference.attention import attention_scores, expand_kv_heads, log_sum_exp
+from ..masks import NO_WINDOW, Window, window_mask
+from ..ops import attention
+from ..ops.attention import custom_ops
+from ..ops.core import backends
+from ..reference.attention import attention_scores, expand_kv_heads, log_sum_exp
+from .sharding import _dense_like, chunk_offsets
 
-LAYOUTS = ("zigzag", "contiguous")
 STRATEGIES = ("ring", "allgather")
-BACKENDS = ("auto", "triton", "reference", "torch")
-
-
-# ---- sharding ---------------------------------------------------------------------------------
-
-
-def _world(group) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def chunk_offsets(rank: int, world: int, T: int, layout: str) -> list[tuple[int, int]]:
-    """(global start, length) of each chunk rank `rank` holds of a sequence of T positions."""
-    _check_layout(layout)
-    if layout == "contiguous":
-        if T % world:
-            raise ValueError(
-                f"layout='contiguous' needs a sequence length divisible by W={world}, got {T}"
-            )
-        n = T // world
-        return [(rank * n, n)]
-    if T % (2 * world):
-        raise ValueError(
-            f"layout='zigzag' cuts the sequence in 2W = {2 * world} chunks: its length must be "
-            f"divisible by {2 * world}, got {T}"
-        )
-    c = T // (2 * world)
-    return [(rank * c, c), ((2 * world - 1 - rank) * c, c)]
-
-
-def _check_sequence(x, dim) -> int:
-    """x a tensor and dim one of its dims (made non-negative)."""
-    check_tensor("x", x)
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-        raise TypeError(f"dim must be an int, got {dim!r}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim {dim} is out of range for x with {x.dim()} dimensions")
-    return int(dim) % x.dim()
-
-
-def shard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's shard of x along `dim` (the whole sequence, the same on every rank)."""
-    dim = _check_sequence(x, dim)
-    world, rank = _world(group)
-    parts = [
-        x.narrow(dim, start, n) for start, n in chunk_offsets(rank, world, x.shape[dim], layout)
-    ]
-    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
-
-
-def unshard_sequence(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
-    """The whole sequence from every rank's shard x along `dim` (an all-gather; the same on
-    every rank)."""
-    dim = _check_sequence(x, dim)
-    world, _ = _world(group)
-    _check_layout(layout)
-    shards = [_dense_like(x) for _ in range(world)]
-    dist.all_gather(shards, x.contiguous(), group=group)
-    T = x.shape[dim] * world
-    pieces = []
-    for r, shard in enumerate(shards):
-        local = 0
-        for start, n in chunk_offsets(r, world, T, layout):
-            pieces.append((start, shard.narrow(dim, local, n)))
-            local += n
-    return torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])], dim=dim)
 
 
 # ---- one block: a query chunk against a key chunk ----------------------------------------------
@@ -251,12 +164,6 @@ def _merge(acc_out, acc_lse, out, lse):
 
 
 # ---- communication ------------------------------------------------------------------------------
-
-
-def _dense_like(t: torch.Tensor) -> torch.Tensor:
-    """An empty contiguous tensor of t's shape: collectives and p2p want dense buffers (a
-    shard is often a transposed view)."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _ring_exchange(tensors, group, world, rank):
@@ -472,61 +379,6 @@ def _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dk, dv, cfg):
         dv[:, :, keys] += b_dv
 
 
-def context_parallel_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    window_size: tuple[int, int] | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    layout: str = "zigzag",
-    strategy: str = "ring",
-    dropout_p: float = 0.0,
-    return_lse: bool = False,
-    backend: str = "auto",
-):
-    """This rank's shard of `fusedattn.attention` over the whole sequence; see the module
-    docstring. q (B, Hq, T/W, D), k (B, Hkv, T/W, D), v (B, Hkv, T/W, Dv): this rank's shard
-    (`shard_sequence`). Returns out (B, Hq, T/W, Dv) [, lse (B, Hq, T/W) float32]."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context_parallel_attention needs torch.distributed initialised")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    _check_layout(layout)
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"backend must be one of {BACKENDS} for context parallelism, got {backend!r}"
-        )
-    check_dropout(dropout_p)
-    if dropout_p:
-        raise ValueError(
-            f"context_parallel_attention does not take dropout (dropout_p={dropout_p}): each "
-            "block would draw its own mask, so the result would not be attention with dropout "
-            "on the whole sequence"
-        )
-    check_bool("return_lse", return_lse)
-    window = check_attention_args(
-        q, k, v, None, 0.0, is_causal, scale, enable_gqa, None, window_size=window_size,
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
-    world, rank = _world(group)
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
-    _check_backend(q, k, v, scale, enable_gqa, window, softcap, backend)
-    cfg = _Config(
-        group=group, world=world, rank=rank, T=q.shape[2] * world, layout=layout,
-        strategy=strategy, is_causal=is_causal, window=(window.left, window.right),
-        scale=scale, scale_value=q.shape[-1] ** -0.5 if scale is None else float(scale),
-        softcap=float(softcap), enable_gqa=enable_gqa, backend=backend,
-    )  # fmt: skip
-    _global_check(q, k, v, sinks, cfg, group, world)
-    out, lse = _ContextParallelAttention.apply(q, k, v, sinks, cfg)
-    return (out, lse) if return_lse else out
-
-
-__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence"]
+def ring_attention(q, k, v, sinks, cfg):
+    """(out, lse) of this rank's shard, ring or all-gather (cfg.strategy), autograd included."""
+    return _ContextParallelAttention.apply(q, k, v, sinks, cfg)
