@@ -2,11 +2,14 @@
 check that the losses equal the single-process run's.
 
     python examples/context_parallel.py                    # 2 processes, gloo, on the CPU
+    python examples/context_parallel.py --cp ulysses       # all-to-all over the heads instead
     torchrun --nproc-per-node 8 examples/context_parallel.py --real   # NCCL, one GPU per rank
 
 Every rank holds 1/W of the sequence (zigzag: chunks r and 2W - 1 - r, so causal work is
-balanced) and runs `fusedattn.distributed.context_parallel_attention` in each layer: K/V
-travel around the ring while each block computes. Parameters are replicated and their
+balanced) and runs `fusedattn.distributed.context_parallel_attention` in each layer: with
+`--cp ring` (the default) K/V travel around the ring while each block computes; with `--cp
+ulysses` one all-to-all gives each rank the whole sequence for H/W heads (the head count must
+divide by W), `fusedattn.attention` runs there, and one all-to-all brings the output back. Parameters are replicated and their
 gradients summed over the ranks (what FSDP or DDP would do over the same group). Rank 0 also
 runs the unsharded model in one process and compares the losses step by step.
 """
@@ -27,9 +30,9 @@ from fusedattn import distributed as cp
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, strategy="ring"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.strategy = heads, strategy
         self.norm1, self.norm2 = fusedattn.LayerNorm(dim), fusedattn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
@@ -38,7 +41,7 @@ class Block(nn.Module):
         B, T, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.heads, -1).transpose(1, 3).unbind(2)
         if sharded:  # this rank's shard of attention over the whole sequence
-            a = cp.context_parallel_attention(q, k, v, is_causal=True)
+            a = cp.context_parallel_attention(q, k, v, is_causal=True, strategy=self.strategy)
         else:
             a = fusedattn.attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, dim))
@@ -46,10 +49,10 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab, dim, heads, layers, max_len):
+    def __init__(self, vocab, dim, heads, layers, max_len, strategy="ring"):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, strategy) for _ in range(layers))
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, ids, positions, sharded=False):
@@ -70,7 +73,8 @@ def batches(args, steps):
 
 def train(args, sharded: bool, device) -> list[float]:
     torch.manual_seed(0)
-    model = Decoder(args.vocab, args.dim, args.heads, args.layers, args.seq).to(device, args.dtype)
+    model = Decoder(args.vocab, args.dim, args.heads, args.layers, args.seq, args.cp)
+    model = model.to(device, args.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2 if not args.real else 1e-3)
     positions = torch.arange(args.seq).expand(args.batch, -1)
     losses = []
@@ -114,7 +118,8 @@ def run(rank, world, args, init_file=None):
         assert worst < tol, f"losses differ by {worst:.3g}"
         assert sharded[-1] < sharded[0], "the loss did not fall"
         print(
-            f"{world} ranks, losses equal to the single-process run (largest difference {worst:.2g})"
+            f"{world} ranks ({args.cp}), losses equal to the single-process run (largest "
+            f"difference {worst:.2g})"
         )
     dist.destroy_process_group()
 
@@ -124,6 +129,8 @@ def main():
     parser.add_argument("--real", action="store_true", help="GPU sizes, bf16, NCCL (torchrun)")
     parser.add_argument("--world", type=int, default=2, help="processes to spawn (CPU runs)")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--cp", choices=("ring", "allgather", "ulysses"), default="ring",
+                        help="context-parallel strategy")  # fmt: skip
     args = parser.parse_args()
     args.vocab, args.dim, args.heads, args.layers = (
         (32000, 1024, 16, 4) if args.real else (64, 64, 4, 2)

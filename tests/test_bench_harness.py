@@ -687,3 +687,25 @@ def test_attention_config_takes_the_tuned_tiles_of_its_card(monkeypatch):
     finally:
         monkeypatch.undo()
         A.attention_config.cache_clear()
+
+
+@pytest.mark.slow
+def test_context_parallel_benchmark_times_each_strategy_on_gloo_and_ulysses_calls(monkeypatch):
+    """bench_context_parallel.py on the CPU: each strategy's whole call on 2 gloo ranks; its
+    GPU Ulysses rows (one rank's call at W = 2, 4, 8 and the all-to-all bytes) through the
+    interpreter on a small sequence, timing stubbed."""
+    import bench_context_parallel as bcp
+
+    rows = bcp.run(True, torch.device("cpu"), {"device": "cpu"})
+    assert [r["impl"] for r in rows] == ["ring W=2", "allgather W=2", "ulysses W=2"]
+    assert all(float(r["ms"]) > 0 for r in rows)
+    monkeypatch.setattr(harness, "time_ms", lambda fn, device, reps=1: (fn(), 1.0)[1])
+    q = torch.randn(1, 8, 16, 16)
+    k, v = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    out = bcp.run_ulysses(True, torch.device("cpu"), {"device": "cpu"}, q, k, v,
+                          {"fwd": 1.0, "fwd+bwd": 1.0})  # fmt: skip
+    assert [r["impl"] for r in out] == [f"fusedattn-triton W={w}" for w in (2, 4, 8)
+                                        for _ in range(2)]  # fmt: skip
+    # W = 2: q, k, v and out of 8 positions, half of them sent: 8·(2·8·16 + 2·2·16)·2 B / 2
+    assert bcp.ulysses_bytes(16, 2, 8, 2, 16) == 0.5 * 8 * (2 * 8 * 16 + 2 * 2 * 16) * 2
+    assert "all-to-all bytes per rank" in out[0]["note"]

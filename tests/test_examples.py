@@ -22,6 +22,10 @@ SCRIPTS = {
 }
 
 
+# Arguments a script runs with here: the context-parallel example's Ulysses path (its ring
+# path is the default a user runs first; tests/test_distributed.py and test_fsdp.py check it).
+ARGS = {"context_parallel.py": ["--cp", "ulysses"]}
+
 # needs vLLM, which pins its own torch: tests/vllm_serving/test_vllm_example.py runs it (make test-vllm)
 VLLM_SCRIPTS = {"vllm_serve.py"}
 
@@ -38,7 +42,8 @@ def test_example_runs_on_the_cpu(script):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU configuration, on a GPU machine too
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)], cwd=EXAMPLES, env=env, capture_output=True,
+        [sys.executable, str(EXAMPLES / script), *ARGS.get(script, [])], cwd=EXAMPLES, env=env,
+        capture_output=True,
         text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
