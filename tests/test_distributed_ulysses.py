@@ -247,7 +247,8 @@ def check_varlen(parts):
 
 def traffic_worker(rank, world):
     """The collectives one forward runs: the options' agreement (a few int64s), one
-    all-to-all of q, k and v, one of the output; nothing of K/V gathered."""
+    all-to-all of q, k and v, one of the output; nothing of K/V gathered. Then a call with
+    dropout, forward and backward."""
     import torch.distributed as dist
 
     from fusedattn import distributed as cp
@@ -266,16 +267,24 @@ def traffic_worker(rank, world):
         setattr(dist, name, counting)
     q, k, v, _, _, kw = inputs("causal_gqa")
     shard = lambda t: cp.shard_sequence(t, 2)  # noqa: E731
-    cp.context_parallel_attention(shard(q), shard(k), shard(v), strategy="ulysses",
-                                  backend="reference", **kw)  # fmt: skip
-    return calls
+    plain = cp.context_parallel_attention(shard(q), shard(k), shard(v), strategy="ulysses",
+                                          backend="reference", **kw)  # fmt: skip
+    seen = list(calls)
+    # dropout: each rank draws its own heads' masks over whole rows (the ring refuses it)
+    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+    dropped = cp.context_parallel_attention(*leaves, strategy="ulysses", dropout_p=0.5,
+                                            backend="reference", **kw)  # fmt: skip
+    grads = torch.autograd.grad(dropped.sum(), leaves)
+    return seen, plain, dropped.detach(), grads
 
 
 def test_the_forward_sends_one_all_to_all_each_way_and_gathers_no_keys():
-    calls = run_group(traffic_worker, 2, timeout=120)[0]
+    calls, plain, dropped, grads = run_group(traffic_worker, 2, timeout=120)[0]
     kinds = [name for name, _ in calls]
     assert kinds == ["all_gather", "all_to_all_single", "all_to_all_single"], calls
     assert calls[0][1] <= 2 * 20  # the agreement: a few int64s per rank, no tensor data
+    assert torch.isfinite(dropped).all() and not torch.allclose(dropped, plain)
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
 def bad_worker(rank, world):
