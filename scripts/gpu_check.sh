@@ -4,13 +4,14 @@
 # network is assumed: nothing is downloaded (a Liger-Kernel wheel carried in .whl/ is
 # installed for the norm baselines). Each step has a time limit; a failing step does not stop
 # the others. GPU_CHECK_STEPS picks steps, in this order; three presets:
-#   next    what issue #52 (the GPU run-book) has first and undone, in one call of at most 8
+#   next    what issue #74 (the GPU run-book) has first and undone, in one call of at most 8
 #           minutes (GPU_CHECK_DEADLINE=470). Today: build, info, the whole GPU test grid
 #           again (item 1: on the H200 on 2026-11-28 1018 of 1022 passed in 159 s; the 4
-#           failures were fixed after that run, unrun on a GPU), profile-bert512 (item 2:
-#           padded BERT at T=512 ran 0.70x torch under auto, the loss in fusedattn's torch
-#           attention path with key padding), first-use (item 4) and bench-cp (item 5).
-#           Move it on as the items get done.
+#           failures were fixed after that run, unrun on a GPU), profile-bert512 (padded BERT
+#           at T=512 ran 0.70x fusedattn-torch under auto; now against plain SDPA and the
+#           torch backend without its K/V copy), first-use and bench-cp (item 7: the ring's
+#           blocks and, since issue #72, a Ulysses rank's call at W = 2, 4, 8). Then the
+#           presets hopper, fp8, models (item 4). Move it on as the items get done.
 #   check   (default) build info bench-attention gpu-tests (on the H200, 2026-11-27, one
 #           call with GPU_CHECK_DEADLINE=555: build 61 s, bench-attention 172 s, the tests
 #           cut at 300 s with 444 of the 600 Triton tests and all 200 CUDA ones run, before

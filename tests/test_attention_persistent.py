@@ -115,7 +115,9 @@ def test_persistent_programs_equal_the_plain_grid(monkeypatch, case, Tq):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("persistent_forward")
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+# one shape in the interpreter (its bits equal the plain loop's: the equality tests), both on
+# a GPU (as test_attention_bwd_pipeline's grid; issue #70's test-time cut)
+@pytest.mark.parametrize("shape", SHAPES[:2] if GPU else SHAPES[:1], ids=str)
 @pytest.mark.parametrize("name", VARIANTS)
 def test_persistent_forward_variants_fp32(name, shape):
     check("triton", shape, torch.float32, VARIANTS[name], forward_only=FORWARD_ONLY)

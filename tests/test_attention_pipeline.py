@@ -128,7 +128,9 @@ DTYPE, HEAD_DIM = (torch.bfloat16, 128) if GPU else (torch.float32, 16)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interior", [0, 1, 2, 3, 5])
+# 0, 1 and 3 interior tiles in the interpreter (none, one lap, laps carried into each other);
+# 2 and 5 more laps of the same loop on a GPU
+@pytest.mark.parametrize("interior", [0, 1, 2, 3, 5] if GPU else [0, 1, 3])
 @pytest.mark.parametrize("case", CASES)
 def test_pipelined_loop_equals_the_plain_loop(monkeypatch, case, interior):
     """Tk = interior whole key tiles plus a cut one: the interior loop (non-causal) runs
@@ -161,7 +163,9 @@ def test_pipelined_loop_equals_the_plain_loop(monkeypatch, case, interior):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("pipelined_forward")
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+# one shape in the interpreter (its bits equal the plain loop's: the equality tests), both on
+# a GPU (as test_attention_bwd_pipeline's grid; issue #70's test-time cut)
+@pytest.mark.parametrize("shape", SHAPES[:2] if GPU else SHAPES[:1], ids=str)
 @pytest.mark.parametrize("name", VARIANTS)
 def test_pipelined_forward_variants_fp32(name, shape):
     pipelined_or_skip(probe(torch.float32, shape.D), probe(torch.float32, shape.Dv))

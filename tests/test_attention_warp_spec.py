@@ -159,7 +159,9 @@ def test_specialized_loop_equals_the_plain_loop(monkeypatch, case, interior):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("warp_specialized_forward")
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+# one shape in the interpreter (its bits equal the plain loop's: the equality tests), both on
+# a GPU (as test_attention_bwd_pipeline's grid; issue #70's test-time cut)
+@pytest.mark.parametrize("shape", SHAPES[:2] if GPU else SHAPES[:1], ids=str)
 @pytest.mark.parametrize("name", SPECIALIZED_VARIANTS)
 def test_specialized_forward_variants_fp32(name, shape):
     """The variant grid but its masked variant (fp32 in the interpreter, which runs the

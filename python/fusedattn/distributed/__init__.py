@@ -27,11 +27,17 @@ same shapes and options: they are checked with a small all-gather first, and a m
 refused input raises a ValueError on every rank instead of hanging.
 """
 
-from .api import STRATEGIES, context_parallel_attention, context_parallel_varlen_attention
+from .api import (
+    BACKENDS,
+    STRATEGIES,
+    context_parallel_attention,
+    context_parallel_varlen_attention,
+)
 from .ring import _band, _block_backward, _block_forward, _blocks_against, _Config
 from .sharding import LAYOUTS, chunk_offsets, shard_sequence, unshard_sequence
 
 __all__ = [
+    "BACKENDS",
     "LAYOUTS",
     "STRATEGIES",
     "chunk_offsets",
