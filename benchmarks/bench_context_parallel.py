@@ -123,7 +123,7 @@ def run_ulysses(quick, device, env, q, k, v, whole_ms) -> list[dict]:
     return rows
 
 
-def whole_call_ms(device, env, q, k, v, rows, op) -> dict:
+def whole_call_ms(device, env, q, k, v, rows, op, mask="causal") -> dict:
     """One call on the whole sequence, fwd and fwd+bwd (a row each)."""
     B, Hq, T, D = q.shape
     whole = {}
@@ -139,7 +139,7 @@ def whole_call_ms(device, env, q, k, v, rows, op) -> dict:
         flops = harness.attention_flops(B, Hq, T, T, D, causal=True, mode=mode)
         rows.append(harness.make_row(env, op=op, mode=mode, impl="fusedattn-triton whole",
                                      dtype="bfloat16", B=B, H=Hq, Tq=T, Tk=T, D=D, causal=True,
-                                     mask="causal", ms=whole[mode],
+                                     mask=mask, ms=whole[mode],
                                      tflops=harness.tflops(flops, whole[mode])))  # fmt: skip
         harness.progress(rows[-1])
     return whole
@@ -171,21 +171,7 @@ def run_blocks(quick: bool, device: torch.device, env: dict) -> list[dict]:
         m: harness.attention_flops(B, Hq, T, T, D, causal=True, mode=m) for m in ("fwd", "fwd+bwd")
     }
     rows = []
-    whole = {}
-    for mode in ("fwd", "fwd+bwd"):
-        leaves = [t.detach().requires_grad_(mode != "fwd") for t in (q, k, v)]
-
-        def call(leaves=leaves, mode=mode):
-            out = fusedattn.attention(*leaves, is_causal=True, enable_gqa=True, backend="triton")
-            if mode != "fwd":
-                out.sum().backward()
-
-        whole[mode] = harness.time_ms(call, device=device)
-        rows.append(harness.make_row(env, op="cp-blocks", mode=mode, impl="fusedattn-triton whole",
-                                     dtype="bfloat16", B=B, H=Hq, Tq=T, Tk=T, D=D, causal=True,
-                                     mask="zigzag causal", ms=whole[mode],
-                                     tflops=harness.tflops(flops[mode], whole[mode])))  # fmt: skip
-        harness.progress(rows[-1])
+    whole = whole_call_ms(device, env, q, k, v, rows, "cp-blocks", "zigzag causal")
     for world in (4, 8):
         for mode in ("fwd", "fwd+bwd"):
             total = 0.0  # every block of every rank, one after the other

@@ -202,16 +202,21 @@ def test_usp_equals_attention_on_the_whole_sequence():
             )
 
 
-def varlen_worker(rank, world):
-    """Three documents packed into 36 tokens (cut across the shards), causal with sinks."""
-    from fusedattn import distributed as cp
-
+def packed_batch():
+    """Three documents (5, 18 and 13 tokens) packed into 36, the same in every process."""
     cu = torch.tensor([0, 5, 23, 36], dtype=torch.int32)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(36, HQ, D, generator=g)
     k, v = (torch.randn(36, 4, D, generator=g) for _ in range(2))
     dout = torch.randn(36, HQ, D, generator=g)
-    sinks = torch.randn(HQ, generator=g)
+    return cu, q, k, v, dout, torch.randn(HQ, generator=g)
+
+
+def varlen_worker(rank, world):
+    """Three documents packed into 36 tokens (cut across the shards), causal with sinks."""
+    from fusedattn import distributed as cp
+
+    cu, q, k, v, dout, sinks = packed_batch()
     n = 36 // world
     part = slice(rank * n, (rank + 1) * n)
     leaves = [t[part].clone().requires_grad_() for t in (q, k, v)]
@@ -227,12 +232,7 @@ def varlen_worker(rank, world):
 def check_varlen(parts):
     """varlen_attention over the whole packed batch (three documents in 36 tokens), causal with
     sinks, against float64: each rank's rows, its lse and gradients, the sinks' summed."""
-    cu = torch.tensor([0, 5, 23, 36], dtype=torch.int32)
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(36, HQ, D, generator=g)
-    k, v = (torch.randn(36, 4, D, generator=g) for _ in range(2))
-    dout = torch.randn(36, HQ, D, generator=g)
-    sinks = torch.randn(HQ, generator=g)
+    cu, q, k, v, dout, sinks = packed_batch()
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     sk = sinks.double().requires_grad_()
     out, lse = reference.varlen_attention(*leaves, cu, cu, 18, 18, is_causal=True, sinks=sk,

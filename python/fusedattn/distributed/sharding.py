@@ -7,6 +7,7 @@ r holds chunks r and 2W - 1 - r (every rank the same causal work).
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -89,6 +90,7 @@ def _dense_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+@functools.cache  # a layer's every call asks for the same few orders
 def rank_major_order(world: int, T: int, layout: str) -> torch.Tensor | None:
     """The index of each global position in the rank-major concatenation of every rank's shard
     (rank 0's positions first, in its local order): `whole = rank_major[..., order, ...]`. None

@@ -141,6 +141,6 @@ def to_heads(q, k, v, group, world, layout, T):
 def to_sequence(x, group, world, layout, T):
     """(B, H/W, T, E) over the whole sequence in global order -> this rank's (B, H, T/W, E)."""
     order = rank_major_order(world, T, layout)
-    if order is not None:
+    if order is not None:  # the inverse permutation: global position -> rank-major
         x = x.index_select(2, torch.argsort(order).to(x.device))
     return _HeadsToSeq.apply(group, world, x)
