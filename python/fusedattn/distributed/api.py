@@ -230,9 +230,7 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
             scale_value=D**-0.5 if scale is None else float(scale), softcap=float(softcap),
             enable_gqa=True, backend=backend,
         )  # fmt: skip
-        ring._global_check(qh, kh, vh, sinks_h, cfg, r_group, R)
-        out, lse = ring.ring_attention(qh, kh, vh, sinks_h, cfg)
-        out = out.to(q.dtype)
+        out, lse = ring.ring_attention(qh, kh, vh, sinks_h, cfg)  # _agree checked both groups
     else:
         result = attention(
             qh, kh, vh, _slice_heads(given["attn_mask"], dim=-3, **hs), dropout_p, is_causal,
