@@ -373,8 +373,9 @@ def flash_attn_with_kvcache(
     every slot of the cache holds a key (flash-attention's default). rotary_cos/rotary_sin
     (seqlen_ro, rotary_dim / 2): the new k is rotated at positions cache_seqlens[b] + i, and q
     too when causal or windowed, else every query at cache_seqlens[b] (flash-attention's
-    rule; with cache_leftpad too: positions are cache slots); cache_batch_idx (B,) int32: sequence b is row cache_batch_idx[b] of a contiguous
-    cache (read and appended in place, as a page of the whole row)."""
+    rule; with cache_leftpad too: positions are cache slots); cache_batch_idx (B,) int32:
+    sequence b is row cache_batch_idx[b] of a contiguous cache (read and appended in place,
+    as a page of the whole row)."""
     _check_args(0.0, softmax_scale, causal)
     if cache_seqlens is None:
         if k is not None:
