@@ -9,9 +9,10 @@ Every rank holds 1/W of the sequence (zigzag: chunks r and 2W - 1 - r, so causal
 balanced) and runs `fusedattn.distributed.context_parallel_attention` in each layer: with
 `--cp ring` (the default) K/V travel around the ring while each block computes; with `--cp
 ulysses` one all-to-all gives each rank the whole sequence for H/W heads (the head count must
-divide by W), `fusedattn.attention` runs there, and one all-to-all brings the output back. Parameters are replicated and their
-gradients summed over the ranks (what FSDP or DDP would do over the same group). Rank 0 also
-runs the unsharded model in one process and compares the losses step by step.
+divide by W), `fusedattn.attention` runs there, and one all-to-all brings the output back.
+Parameters are replicated and their gradients summed over the ranks (what FSDP or DDP would do
+over the same group). Rank 0 also runs the unsharded model in one process and compares the
+losses step by step.
 """
 
 from __future__ import annotations
