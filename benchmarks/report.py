@@ -81,11 +81,12 @@ def summarize(rows: list[dict]) -> list[str]:
         unit = harness.SPEED_UNITS[key]
         best = max(float(r[key]) for r in rs if r[key] != "")
         speedups = sorted(float(r["speedup_vs_naive"]) for r in rs if r["speedup_vs_naive"] != "")
-        median = speedups[len(speedups) // 2] if speedups else 0.0
+        # rows with no naive twin (compiled model modes: naive is never compiled) say so
+        median = f"{speedups[len(speedups) // 2]:6.2f}x" if speedups else "     —"
         failed = sum(1 for r in rs if r["pass"].startswith("no"))
         lines.append(
             f"  {op:<10} {mode:<7} {impl:<16} best {best:9.3f} {unit:<7}"
-            f" median speedup vs naive {median:6.2f}x  {len(rs)} cases"
+            f" median speedup vs naive {median}  {len(rs)} cases"
             + (f", {failed} FAILED the k× check" if failed else "")
         )
     return lines
