@@ -61,9 +61,12 @@ test: $(INSTALL_STAMP)
 	wait $$env_pid || { tail -40 .make/vllm-env.log; echo "make vllm-env failed"; exit 1; }; \
 	[ $$rc -eq 0 ] && $(MAKE) --no-print-directory test-vllm
 
+# --no-compile: the environment builds beside the main suite on the same two cores, and pip's
+# byte-compiling of every installed module (vLLM, transformers, torch) is CPU the suite loses;
+# Python compiles what the vLLM tests import when they import it.
 $(VLLM_STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PYTHON) -m pip install -q $(VLLM_PINS)
+	$(VLLM_PYTHON) -m pip install -q --no-compile $(VLLM_PINS)
 	$(VLLM_PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	env -u FUSEDATTN_FORCE_CUDA_BUILD FUSEDATTN_SKIP_CUDA_BUILD=1 \
 	  $(VLLM_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
