@@ -21,6 +21,7 @@ order in the backward too.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -140,7 +141,13 @@ def to_heads(q, k, v, group, world, layout, T):
 
 def to_sequence(x, group, world, layout, T):
     """(B, H/W, T, E) over the whole sequence in global order -> this rank's (B, H, T/W, E)."""
-    order = rank_major_order(world, T, layout)
-    if order is not None:  # the inverse permutation: global position -> rank-major
-        x = x.index_select(2, torch.argsort(order).to(x.device))
+    inverse = _global_to_rank_major(world, T, layout)
+    if inverse is not None:
+        x = x.index_select(2, inverse.to(x.device))
     return _HeadsToSeq.apply(group, world, x)
+
+
+@functools.cache  # per (W, T, layout), as rank_major_order: no argsort per call
+def _global_to_rank_major(world: int, T: int, layout: str) -> torch.Tensor | None:
+    order = rank_major_order(world, T, layout)
+    return None if order is None else torch.argsort(order)
