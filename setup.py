@@ -13,6 +13,9 @@ Environment:
                                 fails the run; also for building images on a machine
                                 without a GPU)
   TORCH_CUDA_ARCH_LIST          archs to compile for; default "8.0;9.0a" (A100 and Hopper)
+  FUSEDATTN_CUDA_HEAD_DIMS      attention head dims to build, e.g. "64,128"; default all of
+                                32,64,96,128,256 (a subset builds faster; larger head dims
+                                then run on Triton)
   MAX_JOBS                      parallel compile jobs (read by torch's ninja build)
   CUDA_HOME                     CUDA toolkit; guessed from nvcc when unset
 
@@ -100,7 +103,8 @@ def cuda_extensions():
     arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    sources = [str(p.relative_to(ROOT)) for p in toolkit.sources(ROOT / "csrc")]
+    head_dims = toolkit.head_dims()
+    sources = [str(p.relative_to(ROOT)) for p in toolkit.sources(ROOT / "csrc", head_dims)]
     print(f"fusedattn: building fusedattn._C for TORCH_CUDA_ARCH_LIST={arch_list}: {reason}")
     ext = CUDAExtension(
         name="fusedattn._C",
@@ -110,6 +114,7 @@ def cuda_extensions():
             "cxx": toolkit.CXX_FLAGS,
             "nvcc": [
                 *toolkit.NVCC_FLAGS,
+                *toolkit.head_dim_flags(head_dims),
                 # FUSEDATTN_TUNING=1: extra attention tile variants, picked at run time by
                 # scripts/tune_attention.py (GPU tuning runs only; never in a release build).
                 *(["-DFUSEDATTN_TUNING"] if os.environ.get("FUSEDATTN_TUNING") == "1" else []),

@@ -86,3 +86,41 @@ def test_extension_reports_real_build_metadata():
             assert "sm_" + arch.replace(".", "").rstrip("a").replace("+PTX", "") in ext["archs"]
     assert ext["attention_head_dims"] == [32, 64, 96, 128, 256]
     assert ext["torch_compiled"] == torch.__version__.split("+")[0]
+
+
+def test_a_head_dim_subset_builds_its_units_only_and_refuses_larger_head_dims(monkeypatch):
+    """FUSEDATTN_CUDA_HEAD_DIMS: the per-head-dim units of the others are left out (with the
+    defines that discard their HEADDIM_SWITCH cases), a malformed list names the accepted
+    values, and the cuda backend refuses a head dim above the largest built (auto goes on)."""
+    import torch
+
+    from fusedattn._build import toolkit
+    from fusedattn.ops.attention import cuda_backend
+    from fusedattn.ops.core import backends
+
+    assert (
+        toolkit.head_dims({}) == toolkit.HEAD_DIMS
+        and toolkit.head_dim_flags(toolkit.HEAD_DIMS) == []
+    )
+    dims = toolkit.head_dims({"FUSEDATTN_CUDA_HEAD_DIMS": "128; 64"})
+    assert dims == (64, 128)
+    names = {p.name for p in toolkit.sources(ROOT / "csrc", dims)}
+    assert {"attention_fwd_hdim64.cu", "attention_bwd_hdim128.cu", "bindings.cpp"} <= names
+    assert not {n for n in names if "hdim32" in n or "hdim96" in n or "hdim256" in n}
+    assert toolkit.head_dim_flags(dims) == [f"-DFUSEDATTN_HDIM{d}=0" for d in (32, 96, 256)]
+    for bad in ("48", "64,x", ","):
+        with pytest.raises(ValueError, match="subset of 32, 64, 96, 128, 256"):
+            toolkit.head_dims({"FUSEDATTN_CUDA_HEAD_DIMS": bad})
+
+    monkeypatch.setattr(backends, "EXTENSION", None)  # the dims a first-use build would make
+    monkeypatch.setenv("FUSEDATTN_CUDA_HEAD_DIMS", "64")
+    q = torch.zeros(1, 1, 4, 128, dtype=torch.float16)
+    why = cuda_backend.refusals(q=q, k=q, v=q)
+    assert any("head dims up to 64 (this build: FUSEDATTN_CUDA_HEAD_DIMS)" in r for r in why), why
+    small = torch.zeros(1, 1, 4, 40, dtype=torch.float16)
+    assert not any("head dims up to" in r for r in cuda_backend.refusals(q=small, k=small, v=small))
+    monkeypatch.setenv("FUSEDATTN_CUDA_HEAD_DIMS", "65")
+    assert any(
+        "FUSEDATTN_CUDA_HEAD_DIMS='65'" in r
+        for r in cuda_backend.refusals(q=small, k=small, v=small)
+    )

@@ -151,17 +151,22 @@ def test_the_wheel_ships_the_kernels_and_the_sources_a_first_use_build_needs(pla
 @needs_nvcc
 def test_plain_install_compiles_the_extension_on_first_use(plain_wheel, tmp_path):
     """info says backend='cuda' will compile _C; the first use compiles it from the installed
-    sources into the cache, says so in one line, and a new process loads it from there."""
+    sources into the cache, says so in one line, and a new process loads it from there.
+
+    One head dim (FUSEDATTN_CUDA_HEAD_DIMS=64): 2 of the 10 per-head-dim attention units, about
+    half the build's 155 s on 2 cores; the install's build (CI's FORCE build) compiles all."""
     _, env = plain_wheel
     env = env | {"FUSEDATTN_CACHE_DIR": str(tmp_path / "cache"), "TORCH_CUDA_ARCH_LIST": "8.0",
-                 "MAX_JOBS": "2"}  # fmt: skip
+                 "MAX_JOBS": "2", "FUSEDATTN_CUDA_HEAD_DIMS": "64"}  # fmt: skip
     before = run(installed_python(INFO), tmp_path, env)
     assert "compiles it on first use" in before
     # What the first call with backend="cuda" runs (its kernels need a GPU, the build not).
     code = "from fusedattn.ops.core import backends; e = backends.extension(); "
-    code += "print(e.build_info()['ops'], backends.EXTENSION_ORIGIN, e.__file__)"
+    code += "print(e.build_info()['ops'], backends.EXTENSION_ORIGIN, e.__file__); "
+    code += "print('head dims', e.build_info()['attention_head_dims'])"
     built = run(installed_python(code), tmp_path, env)
     assert "compiling the CUDA extension for 8.0" in built
     assert "['attention', 'layer_norm', 'rms_norm', 'softmax'] first-use build" in built
+    assert "head dims [64]" in built  # 32 rounds up to 64; 96 and above refused in Python
     after = run(installed_python(INFO), tmp_path, env)
     assert "first-use build" in after and str(tmp_path / "cache") in after

@@ -22,28 +22,43 @@
   }()
 
 // Head dims are rounded up to the next instantiated size; the padded lanes are masked in the
-// kernel. 32/64/96/128/256 cover the models we target (40 -> 64, 80 -> 96, 160 -> 256).
-#define HEADDIM_SWITCH(HEADDIM, CONST_NAME, ...)                                    \
-  [&] {                                                                             \
-    if ((HEADDIM) <= 32) {                                                          \
-      constexpr static int CONST_NAME = 32;                                         \
-      return __VA_ARGS__();                                                         \
-    } else if ((HEADDIM) <= 64) {                                                   \
-      constexpr static int CONST_NAME = 64;                                         \
-      return __VA_ARGS__();                                                         \
-    } else if ((HEADDIM) <= 96) {                                                   \
-      constexpr static int CONST_NAME = 96;                                         \
-      return __VA_ARGS__();                                                         \
-    } else if ((HEADDIM) <= 128) {                                                  \
-      constexpr static int CONST_NAME = 128;                                        \
-      return __VA_ARGS__();                                                         \
-    } else if ((HEADDIM) <= 256) {                                                  \
-      constexpr static int CONST_NAME = 256;                                        \
-      return __VA_ARGS__();                                                         \
-    } else {                                                                        \
-      throw std::invalid_argument("head dim " + std::to_string(HEADDIM) +           \
-                                  " is larger than 256, the largest instantiated"); \
-    }                                                                               \
+// kernel. 32/64/96/128/256 cover the models we target (40 -> 64, 80 -> 96, 160 -> 256). A build
+// may leave some out (FUSEDATTN_CUDA_HEAD_DIMS, python/fusedattn/_build/toolkit.py defines
+// FUSEDATTN_HDIM<D>=0 for them): their cases are discarded (`if constexpr`, so nothing
+// references their translation units) and a smaller head dim rounds up to the next one built.
+#ifndef FUSEDATTN_HDIM32
+#define FUSEDATTN_HDIM32 1
+#endif
+#ifndef FUSEDATTN_HDIM64
+#define FUSEDATTN_HDIM64 1
+#endif
+#ifndef FUSEDATTN_HDIM96
+#define FUSEDATTN_HDIM96 1
+#endif
+#ifndef FUSEDATTN_HDIM128
+#define FUSEDATTN_HDIM128 1
+#endif
+#ifndef FUSEDATTN_HDIM256
+#define FUSEDATTN_HDIM256 1
+#endif
+
+#define FUSEDATTN_HEADDIM_CASE(HEADDIM, DIM, CONST_NAME, ...) \
+  if constexpr (FUSEDATTN_HDIM##DIM) {                        \
+    if ((HEADDIM) <= DIM) {                                   \
+      constexpr static int CONST_NAME = DIM;                  \
+      return __VA_ARGS__();                                   \
+    }                                                         \
+  }
+
+#define HEADDIM_SWITCH(HEADDIM, CONST_NAME, ...)                                        \
+  [&] {                                                                                 \
+    FUSEDATTN_HEADDIM_CASE(HEADDIM, 32, CONST_NAME, __VA_ARGS__)                        \
+    FUSEDATTN_HEADDIM_CASE(HEADDIM, 64, CONST_NAME, __VA_ARGS__)                        \
+    FUSEDATTN_HEADDIM_CASE(HEADDIM, 96, CONST_NAME, __VA_ARGS__)                        \
+    FUSEDATTN_HEADDIM_CASE(HEADDIM, 128, CONST_NAME, __VA_ARGS__)                       \
+    FUSEDATTN_HEADDIM_CASE(HEADDIM, 256, CONST_NAME, __VA_ARGS__)                       \
+    throw std::invalid_argument("head dim " + std::to_string(HEADDIM) +                 \
+                                " is larger than the largest this build instantiated"); \
   }()
 
 // Element types by a runtime tag; kernels see cuda_fp16 / cuda_bf16 types, never torch's.

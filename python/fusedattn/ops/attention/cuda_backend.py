@@ -7,8 +7,10 @@ import functools
 
 import torch
 
+from ..._build import toolkit
 from ...fp8 import FP8_DTYPES
 from ...masks import NO_WINDOW
+from ..core import backends
 from ..core.kernels import MAX_HEAD_DIM, extension_op_refusals
 from . import custom_ops
 
@@ -20,6 +22,19 @@ attention = functools.partial(custom_ops.run, backend="cuda")
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _head_dims_of(extension) -> tuple[int, ...]:
+    return tuple(extension.build_info()["attention_head_dims"])
+
+
+def built_head_dims() -> tuple[int, ...]:
+    """The attention head dims of the loaded fusedattn._C, or those a first-use build would
+    compile (FUSEDATTN_CUDA_HEAD_DIMS; ValueError when it is malformed)."""
+    if backends.EXTENSION is not None:
+        return _head_dims_of(backends.EXTENSION)
+    return toolkit.head_dims()
 
 
 def refusals(
@@ -43,8 +58,14 @@ def refusals(
     elif q.dtype not in CUDA_DTYPES:
         reasons.append(f"the CUDA attention takes float16 and bfloat16, got {q.dtype}")
     D, Dv = q.shape[-1], v.shape[-1]
-    if max(D, Dv) > MAX_HEAD_DIM:
-        reasons.append(f"head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={Dv}")
+    try:
+        largest = max(built_head_dims())
+    except ValueError as exc:
+        reasons.append(str(exc))
+        largest = MAX_HEAD_DIM
+    if max(D, Dv) > largest:
+        built = "" if largest == MAX_HEAD_DIM else f" (this build: {toolkit.HEAD_DIMS_ENV})"
+        reasons.append(f"head dims up to {largest}{built}, got D={D}, Dv={Dv}")
     if D % 8 or Dv % 8:
         reasons.append(f"the CUDA attention needs head dims that are multiples of 8 (16-byte "
                        f"loads), got D={D}, Dv={Dv}")  # fmt: skip

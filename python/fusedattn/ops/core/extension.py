@@ -66,9 +66,11 @@ def cache_dir() -> Path:
     )
     digest = hashlib.sha1()
     src = source_dir()
-    for path in toolkit.sources(src) + sorted(src.rglob("*.h")) + sorted(src.rglob("*.cuh")):
+    dims = toolkit.head_dims()
+    for path in toolkit.sources(src, dims) + sorted(src.rglob("*.h")) + sorted(src.rglob("*.cuh")):
         digest.update(str(path.relative_to(src)).encode())
         digest.update(path.read_bytes())
+    digest.update(repr(dims).encode())
     arch = arch_list().replace(";", "_").replace(" ", "_").replace(".", "")
     key = f"torch{torch.__version__}-cuda{torch.version.cuda}-sm{arch}-{digest.hexdigest()[:12]}"
     return Path(root) / key.replace("+", "_")
@@ -149,12 +151,13 @@ def build(*, verbose: bool = False):
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs
     try:
         src = source_dir()
+        dims = toolkit.head_dims()
         return cpp.load(
             name=MODULE_NAME,
-            sources=[str(p) for p in toolkit.sources(src)],
+            sources=[str(p) for p in toolkit.sources(src, dims)],
             extra_include_paths=[str(src)],
             extra_cflags=toolkit.CXX_FLAGS,
-            extra_cuda_cflags=toolkit.NVCC_FLAGS,
+            extra_cuda_cflags=toolkit.NVCC_FLAGS + toolkit.head_dim_flags(dims),
             build_directory=str(folder),
             verbose=verbose,
         )
