@@ -305,12 +305,23 @@ def _tile_scores(
 
 @triton.jit
 def _mask_tile(MASK, b, h, qi, kj, q_len, k_len, sm_b, sm_h, sm_q, sm_k,
-               POSITIONAL: tl.constexpr):  # fmt: skip
+               POSITIONAL: tl.constexpr, MASK_IS_BOOL: tl.constexpr = False):  # fmt: skip
     """The attn_mask's entries at query rows qi and keys kj (broadcast to the tile's shape),
     0 outside [0, q_len) x [0, k_len) on boundary tiles (POSITIONAL). Interior tiles read
     without bounds, so the loads carry no predicate and the tile no select after them: the
     caller passes rows clamped into the sequence where its block runs past the end (forward,
-    dq: those rows are never stored), and interior key or query tiles are whole."""
+    dq: those rows are never stored), and interior key or query tiles are whole.
+
+    MASK_IS_BOOL == 2: a block mask's partial block, packed 32 keys to an int32 word (bit
+    j % 32 of word j // 32 of row i; attention_blocks.py): MASK is offset so that row qi,
+    key kj is word qi * sm_q + kj // 32 (the block's first key is a multiple of 32)."""
+    if MASK_IS_BOOL == 2:
+        ptrs = MASK + qi.to(tl.int64) * sm_q + (kj >> 5)
+        if POSITIONAL:
+            words = tl.load(ptrs, mask=(qi < q_len) & (kj < k_len), other=0)
+        else:
+            words = tl.load(ptrs)
+        return (words >> (kj & 31)) & 1
     ptrs = MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k
     if POSITIONAL:
         return tl.load(ptrs, mask=(qi < q_len) & (kj < k_len), other=0)
@@ -513,7 +524,7 @@ def _fwd_scores(
     m = 0.0
     if HAS_MASK:  # rows past the end read the last row's mask
         m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :], q_len,
-                       k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL)  # fmt: skip
+                       k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL, MASK_IS_BOOL)  # fmt: skip
     if MASK_IN_DOT:
         inv_scale = 1.0 / scale  # a scalar: one division per tile, a multiply per element
         if MASK_IS_BOOL:
@@ -672,8 +683,11 @@ def _fwd_block(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr, FP8: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
+    sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
 ):  # fmt: skip
-    """One query block (bh, m_blk) of attention_fwd: its rows' output and lse."""
+    """One query block (bh, m_blk) of attention_fwd: its rows' output and lse (BLOCK_SPARSE:
+    the key blocks a block mask lists, attention_blocks.py)."""
     b = bh // H
     h = bh % H
     hk = h // group
@@ -751,6 +765,15 @@ def _fwd_block(
             HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, TMA_MODE, False,
             MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8, True,
         )  # fmt: skip
+    elif BLOCK_SPARSE:
+        acc, l_i, m_i = attention_blocks.fwd_listed_blocks(
+            acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, mid_lo, mid_hi, hi, rows, d, dv,
+            b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
+            window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
+            dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK, MASK_IS_BOOL,
+            HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, DOT_IN_FP32,
+            INTERPRETED, MASK_IN_DOT, BITS_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, BS_Q, BS_K, FP8,
+        )  # fmt: skip
     else:
         for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
             first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
@@ -793,6 +816,8 @@ def attention_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PIPELINE: tl.constexpr = False, MASK_IN_DOT: tl.constexpr = False, FP8: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
+    sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
     D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
@@ -834,6 +859,7 @@ def attention_fwd(
                 SOFTCAP, HAS_ALIBI,
                 HAS_SINKS, VARLEN, DROPOUT, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PIPELINE, MASK_IN_DOT, FP8, WARP_SPEC,
+                BLOCK_SPARSE, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, BS_Q, BS_K, BITS_IN_DOT,
             )  # fmt: skip
     else:
         bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
@@ -850,6 +876,7 @@ def attention_fwd(
             SOFTCAP, HAS_ALIBI,
             HAS_SINKS, VARLEN, DROPOUT, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PIPELINE, MASK_IN_DOT, FP8, WARP_SPEC,
+            BLOCK_SPARSE, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, BS_Q, BS_K, BITS_IN_DOT,
         )  # fmt: skip
 
 
@@ -910,7 +937,7 @@ def _dkdv_update(
     m = 0.0
     if HAS_MASK:  # (interior query tiles are whole, and so is an interior key block)
         m = _mask_tile(MASK, b, h, rows[None, :], cols[:, None], q_len, k_len, sm_b, sm_h,
-                       sm_q, sm_k, POSITIONAL)  # fmt: skip
+                       sm_q, sm_k, POSITIONAL, MASK_IS_BOOL)  # fmt: skip
     st, t = _tile_scores(
         qkt, rows[None, :], cols[:, None], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, lse2[None, :], HAS_MASK and not MASK_IS_BOOL,
@@ -1031,6 +1058,8 @@ def attention_bwd_dkdv(
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MERGE_BOUNDARIES: tl.constexpr = False, PIPELINE: tl.constexpr = False,
+    BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
+    sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """dk, dv of one key block of one kv head, summed over the q heads of its group in a fixed
     order (deterministic GQA). PIPELINE: the interior query tiles' loop rotated
@@ -1076,9 +1105,18 @@ def attention_bwd_dkdv(
         DO_head = DO + b * sdo_b + h * sdo_h + q_start * sdo_t
         LSE_head = LSE + b * slse_b + h * slse_h + q_start
         DELTA_head = DELTA + b * slse_b + h * slse_h + q_start
+        if BLOCK_SPARSE:  # the query blocks a block mask lists (attention_blocks.py)
+            dk, dv_acc = attention_blocks.dkdv_listed_blocks(
+                dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, mid_lo,
+                mid_hi, hi, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap,
+                window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
+                Tq, Tk, dropout_p, start_n, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK,
+                MASK_IS_BOOL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION,
+                DOT_IN_FP32, INTERPRETED, BLOCK_M, BS_Q, BS_K,
+            )  # fmt: skip
         # boundary, interior (no positional mask), boundary; with MERGE_BOUNDARIES the
         # interior, then both boundary ranges in one loop (see Tiles.merge)
-        for part in tl.static_range(2 if MERGE_BOUNDARIES else 3):
+        for part in tl.static_range(0 if BLOCK_SPARSE else (2 if MERGE_BOUNDARIES else 3)):
             if MERGE_BOUNDARIES:
                 first, last, first2, last2 = mid_lo, mid_hi, mid_hi, mid_hi
                 if part == 1:
@@ -1142,7 +1180,7 @@ def _dq_update(
     m = 0.0
     if HAS_MASK:  # rows past the end read the last row's mask (their dq is not stored)
         m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :],
-                       q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL)  # fmt: skip
+                       q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL, MASK_IS_BOOL)  # fmt: skip
     s, t = _tile_scores(
         qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, lse2[:, None], HAS_MASK and not MASK_IS_BOOL,
@@ -1268,6 +1306,8 @@ def attention_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINKS: tl.constexpr = False, EXACT_DELTA: tl.constexpr = False,
     EXACT_DELTA_KEYS: tl.constexpr = 0, PIPELINE: tl.constexpr = False,
+    BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
+    sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """dq of one query block, the backward's first kernel (PIPELINE: the interior key tiles'
     loop rotated, _dq_tiles): it also computes the block's
@@ -1334,7 +1374,16 @@ def attention_bwd_dq(
         delta = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_SINKS:  # the sink's probability joins the normaliser (its value is 0)
             p_sum = tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - lse2)
-        for part in tl.static_range(3):
+        if BLOCK_SPARSE:
+            dq, delta, p_sum = attention_blocks.dq_listed_blocks(
+                dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, mid_lo,
+                mid_hi, hi, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2,
+                scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q,
+                sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h,
+                sl_r, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                DROPOUT, True, False, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N, BS_Q, BS_K,
+            )  # fmt: skip
+        for part in tl.static_range(0 if BLOCK_SPARSE else 3):
             first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
             dq, delta, p_sum = _dq_tiles(
                 dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows,
@@ -1346,7 +1395,16 @@ def attention_bwd_dq(
             )  # fmt: skip
         delta = tl.where(p_sum > 0.0, delta / tl.where(p_sum > 0.0, p_sum, 1.0), 0.0)
     tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=inb)
-    for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
+    if BLOCK_SPARSE:  # the key blocks a block mask lists (attention_blocks.py)
+        dq, delta, p_sum = attention_blocks.dq_listed_blocks(
+            dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, mid_lo, mid_hi,
+            hi, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale,
+            softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b,
+            D, Dv, Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK,
+            MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, False,
+            MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N, BS_Q, BS_K,
+        )  # fmt: skip
+    for part in tl.static_range(0 if BLOCK_SPARSE else 3):  # boundary, interior, boundary
         first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
         dq, delta, p_sum = _dq_tiles(
             dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first, last, rows, d,
@@ -1384,3 +1442,8 @@ def key_padding_range(KPM, OUT, Tk, s_b, BLOCK: tl.constexpr):
     tl.store(OUT + 3 * b, lo)
     tl.store(OUT + 3 * b + 1, hi)
     tl.store(OUT + 3 * b + 2, whole.to(tl.int32))
+
+
+# The block-sparse loops call this module's tile loops (and the kernels above call them):
+# imported last, so each module finds the other whole when a kernel is first compiled.
+from . import attention_blocks  # noqa: E402

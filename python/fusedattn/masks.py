@@ -198,3 +198,31 @@ def visible_keys(key_padding_mask, window: Window, Tq: int, Tk: int, device=None
     """bool, broadcastable to (B, H, Tq, Tk): the keys a query may see by key padding and
     position (not by attn_mask); None when every key is visible."""
     return merge_masks(None, key_padding_mask, False, Tq, Tk, device, window=window)
+
+
+# Block masks (FlexAttention's mask_mod and BlockMask, no compile): block_mask.py. Imported
+# last: block_mask.py needs nothing from here, users find them here.
+
+
+def and_masks(*mask_mods):
+    """A mask_mod that sees a key iff every one of mask_mods does (torch's and_masks works too)."""
+
+    def both(b, h, q_idx, kv_idx):
+        result = q_idx >= 0
+        for mod in mask_mods:
+            result = result & mod(b, h, q_idx, kv_idx)
+        return result
+
+    return both
+
+
+def or_masks(*mask_mods):
+    """A mask_mod that sees a key iff any of mask_mods does (torch's or_masks works too)."""
+
+    def either(b, h, q_idx, kv_idx):
+        result = q_idx < 0
+        for mod in mask_mods:
+            result = result | mod(b, h, q_idx, kv_idx)
+        return result
+
+    return either

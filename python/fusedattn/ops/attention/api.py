@@ -14,12 +14,21 @@ from __future__ import annotations
 import torch
 
 from ...autocast import apply_autocast
+from ...block_mask import as_block_mask
 from ...checks import check_attention_args, check_varlen_args
 from ...fp8 import is_fp8, output_dtype
 from ...masks import shift_float_mask, visible_keys
 from ..core import backends
 from ..core.plans import tracing
-from . import cuda_backend, custom_ops, plans, reference_backend, torch_backend, triton_backend
+from . import (
+    block_sparse,
+    cuda_backend,
+    custom_ops,
+    plans,
+    reference_backend,
+    torch_backend,
+    triton_backend,
+)
 
 backends.register("attention", "reference", reference_backend.attention, backends.no_refusals)
 backends.register("attention", "torch", torch_backend.attention, torch_backend.refusals)
@@ -56,6 +65,7 @@ def attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    block_mask=None,
     backend: str = "auto",
 ):
     """Masked multi-head scaled-dot-product attention, SDPA's layout and mask conventions.
@@ -76,6 +86,13 @@ def attention(
     over the keys it can see (key padding, causal, window) before any backend runs (the same softmax; masks.shift_float_mask), so a row masked
     with -1e9 or finfo.min on every key gives the softmax of its scores.
 
+    block_mask: a torch.nn.attention.flex_attention.BlockMask or a fusedattn.masks.BlockMask
+    (fusedattn.masks.create_block_mask, no compile): query i of batch b and head h sees key j
+    iff mask_mod(b, h, i, j), ANDed with every other mask of the call; a mask built with B or
+    H None applies to all. The Triton kernels visit only the blocks it lists (forward and
+    backward); the reference and torch backends run its dense form (O(Tq x Tk) memory); the
+    CUDA backend refuses it. A torch BlockMask is converted once and kept with the object.
+
     FP8 (inference): q, k, v in torch.float8_e4m3fn with q_descale, k_descale, v_descale
     (float32, (B, Hkv) or one value: a stored element means stored × descale); the products
     on fp8 tensor cores, the output in out_dtype (bfloat16 by default; float16 or float32),
@@ -85,6 +102,14 @@ def attention(
     """
     plan_key = None
     fp8 = q_descale is not None or out_dtype is not None
+    if block_mask is not None:
+        return _block_mask_call(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+            return_lse=return_lse, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, out_dtype=out_dtype, block_mask=block_mask, backend=backend,
+        )  # fmt: skip
     if not tracing():  # an eager call of known metadata: its plan
         plan_key = plans.key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              key_padding_mask, window_size, softcap, alibi_slopes, sinks,
@@ -126,6 +151,74 @@ def attention(
         out, lse = result
         return out, lse + shift.float()
     return result
+
+
+def _block_mask_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
+                     key_padding_mask, window_size, softcap, alibi_slopes, sinks,
+                     causal_alignment, return_lse, q_descale, k_descale, v_descale, out_dtype,
+                     block_mask, backend):  # fmt: skip
+    """attention() with a block mask: checked, then the Triton kernels' block-sparse loops, or
+    the dense mask on the reference and torch backends (no plans: the mask's tensors are the
+    call's)."""
+    cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
+    q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
+    window = check_attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        causal_alignment=causal_alignment, return_lse=return_lse, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+    )  # fmt: skip
+    bm = check_block_mask(block_mask, q, k)
+    if backend == "cuda":
+        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel; use "
+                         "backend='triton' (or 'auto')")  # fmt: skip
+    if backend == "auto":  # the kernels skip what the mask hides; off a GPU, the dense mask
+        backend = "triton" if q.is_cuda else "auto"
+    shift = None
+    if attn_mask is not None and sinks is None:
+        visible = visible_keys(key_padding_mask, window, q.shape[2], k.shape[2], q.device)
+        attn_mask, shift = shift_float_mask(attn_mask, visible)
+    inputs = dict(
+        q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=float(dropout_p), scale=scale,
+        enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+    if is_fp8(q):
+        inputs.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      out_dtype=output_dtype(q, out_dtype))  # fmt: skip
+    impl = backends.select("attention", backend, q.device, inputs)
+    if impl.backend == "triton":
+        inputs.pop("enable_gqa")
+        result = block_sparse.run(block_mask=bm, **inputs)
+    elif impl.backend == "cuda":
+        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel")
+    else:
+        inputs["attn_mask"] = block_sparse.merge_dense(attn_mask, bm)
+        result = impl.run(**inputs)
+    if return_lse and shift is not None:
+        out, lse = result
+        return out, lse + shift.float()
+    return result
+
+
+def check_block_mask(block_mask, q: torch.Tensor, k: torch.Tensor):
+    """The call's block mask as fusedattn's BlockMask on q's device; ValueError naming
+    block_mask where its sizes are not the call's."""
+    bm = as_block_mask(block_mask, q.device)
+    B, H, Tq = q.shape[:3]
+    Tk = k.shape[2]
+    if tuple(bm.seq_lengths) != (Tq, Tk):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)}, the call has "
+            f"(Tq, Tk) = ({Tq}, {Tk})"
+        )
+    Bm, Hm = bm.kv_lists.shape[:2]
+    if Bm not in (1, B) or Hm not in (1, H):
+        raise ValueError(
+            f"block_mask was built for B={Bm}, H={Hm}; the call has B={B} and {H} query heads "
+            "(build it with B or H None to apply it to all)"
+        )
+    return bm
 
 
 def varlen_attention(

@@ -97,12 +97,13 @@ def attention_fwd_impl(
 def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
                        bottom_right, scale, softcap, dropout_p, seed, backend,
-                       out_dtype=None, template=None, descales=None):  # fmt: skip
+                       out_dtype=None, template=None, descales=None, block=None):  # fmt: skip
     """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
     to reuse. out_dtype: the output's dtype if not q's (Triton: context parallelism keeps a
     block's output in fp32 for the merge). template: a plan's TritonAttentionLaunch for this
     call's metadata (plans.py), bound to this call's tensors instead of building
-    one. descales: (q_descale, k_descale, v_descale) of an fp8 call (Triton only)."""
+    one. descales: (q_descale, k_descale, v_descale) of an fp8 call (Triton only). block: a
+    fusedattn.masks.BlockMask on q's device (Triton only; block_sparse.py)."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
     out = _empty_out_like(q, v.shape[-1], varlen, out_dtype)
@@ -123,7 +124,7 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
         L = TritonAttentionLaunch(
             q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
             cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
-            scale, softcap, dropout_p, seed, descales=descales,
+            scale, softcap, dropout_p, seed, descales=descales, block=block,
         )  # fmt: skip
     lse = new_output(L.lse_shape, torch.float32, q.device)
     if out.numel() == 0 or L.B * L.query_blocks("fwd") == 0:
@@ -189,7 +190,8 @@ def attention_bwd_impl(
 def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
                         window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
-                        backend, launch=None, delta_from_out=False, grads_dtype=None):  # fmt: skip
+                        backend, launch=None, delta_from_out=False, grads_dtype=None,
+                        block=None):  # fmt: skip
     """attention_bwd_impl, reusing the forward's Triton launch when it is given (eager); dS
     and dsinks are None when not asked for. delta_from_out: delta = rowsum(dO * O) from the
     `out` given, never the exact pass over these keys (context parallelism: out and lse are a
@@ -223,7 +225,7 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     L = launch or TritonAttentionLaunch(
         q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
-        dropout_p, seed,
+        dropout_p, seed, block=block,
     )  # fmt: skip
     delta = new_output(L.lse_shape, torch.float32, q.device)  # written by the dq kernel
     exact_delta = False if delta_from_out else None

@@ -9,6 +9,7 @@ argument lists for sm_90 without a GPU (`config=` there picks the tiles to scree
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -105,6 +106,20 @@ def descriptor(t: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, cols])
 
 
+def block_sparse_config(cfg, block_q: int, block_k: int):
+    """A dense call's tiles for a block-sparse one: query tiles of at most block_q rows and key
+    tiles of at most block_k keys (a tile lies in one block), each kernel's plain loop (the
+    pipelined, persistent, warp-specialized and TMA loops have no block-sparse form)."""
+
+    def fit(t):
+        return dataclasses.replace(
+            t, block_m=min(t.block_m, block_q), block_n=min(t.block_n, block_k), tma=False,
+            merge=False, pipeline=False, warp_spec=False, persistent=False,
+        )  # fmt: skip
+
+    return dataclasses.replace(cfg, fwd=fit(cfg.fwd), dkdv=fit(cfg.dkdv), dq=fit(cfg.dq))
+
+
 class TritonAttentionLaunch:
     """What every kernel of one attention call shares."""
 
@@ -112,7 +127,7 @@ class TritonAttentionLaunch:
         self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
         scale, softcap, dropout_p, seed, *, config=None, interpreted=None, planned=False,
-        descales=None,
+        descales=None, block=None,
     ):  # fmt: skip
         # planned: a template a plan keeps for every call of its metadata (bind() gives each
         # call's launch); each kernel's launcher is bound at its first launch and shared
@@ -167,6 +182,28 @@ class TritonAttentionLaunch:
             self.D, self.Dv, q.is_cuda, ieee_fp32=flags["PRECISION"] == "ieee",
             elem_bytes=q.element_size(), arch=device_arch(q.device),
             alibi_or_varlen=alibi_slopes is not None or self.varlen,
+        )  # fmt: skip
+        self.block = block
+        if block is not None:
+            self.cfg = block_sparse_config(self.cfg, *block.block_size)
+
+    def block_args(self, orientation: str) -> dict:
+        """The block mask's lists for one kernel ("kv": the forward and dq walk key blocks per
+        query block; "q": dk/dv walk query blocks per key block), as kernel keywords; {} for a
+        dense call."""
+        bm = self.block
+        if bm is None:
+            return {}
+        lists, kinds = (
+            (bm.kv_lists, bm.kv_kinds) if orientation == "kv" else (bm.q_lists, bm.q_kinds)
+        )
+        s_b, s_h, s_r, _ = lists.stride()
+        scale, softcap = self.scalars[0], self.scalars[1]
+        return dict(
+            BLOCK_SPARSE=True, LISTS=lists, KINDS=kinds, BITS=bm.bits,
+            sl_b=s_b if lists.shape[0] > 1 else 0, sl_h=s_h if lists.shape[1] > 1 else 0,
+            sl_r=s_r, BS_Q=bm.block_size[0], BS_K=bm.block_size[1],
+            BITS_IN_DOT=softcap == 0.0 and scale != 0.0,
         )  # fmt: skip
 
     def tiles(self, kernel: str) -> dict:
@@ -227,7 +264,9 @@ class TritonAttentionLaunch:
         grid, args, constexprs = make(*operands)
         if not grid[0]:
             return
-        if self.prepared is None:
+        if self.block is not None:  # tensors among the keywords: Triton's own launch path
+            kernel[grid](*args, **constexprs)
+        elif self.prepared is None:
             triton_launch.launch(kernel, grid, args, constexprs)
         else:
             self.prepared[name] = triton_launch.prepare(kernel, grid, args, constexprs)
@@ -289,6 +328,7 @@ class TritonAttentionLaunch:
         scale, softcap = self.scalars[0], self.scalars[1]
         if self.mask is not None and softcap == 0.0 and scale != 0.0:
             constexprs["MASK_IN_DOT"] = True  # the mask as the dot's accumulator (_fwd_scores)
+        constexprs.update(self.block_args("kv"))
         if self.cfg.fwd.persistent:  # one program per multiprocessor (4 in the interpreter)
             constexprs["PERSISTENT"] = True
             return (min(tiles, program_budget(q.device)),), args, constexprs
@@ -310,7 +350,8 @@ class TritonAttentionLaunch:
         merge = dict(MERGE_BOUNDARIES=True) if self.cfg.dkdv.merge else {}
         if self.cfg.dkdv.pipeline:
             merge["PIPELINE"] = True
-        return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge)
+        return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge,
+                                **self.block_args("q"))  # fmt: skip
 
     def dq_tensors(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad=None,
                    exact_delta=None):  # fmt: skip
@@ -340,4 +381,5 @@ class TritonAttentionLaunch:
             constexprs["EXACT_DELTA_KEYS"] = EXACT_DELTA_KEYS
         if self.cfg.dq.pipeline:
             constexprs["PIPELINE"] = True
+        constexprs.update(self.block_args("kv"))
         return (self.B * self.H * self.query_blocks("dq"),), args, constexprs
