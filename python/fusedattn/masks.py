@@ -202,6 +202,8 @@ def visible_keys(key_padding_mask, window: Window, Tq: int, Tk: int, device=None
 
 # Block masks (FlexAttention's mask_mod and BlockMask, no compile): block_mask.py. Imported
 # last: block_mask.py needs nothing from here, users find them here.
+from .block_mask import BlockMask as BlockMask  # noqa: E402
+from .block_mask import create_block_mask as create_block_mask  # noqa: E402
 
 
 def and_masks(*mask_mods):
