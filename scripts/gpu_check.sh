@@ -33,6 +33,14 @@
 #           4 parallel processes; auto against the user baselines first, so a cut run keeps
 #           those (model.csv streamed row by row). Then the profile of padded BERT at T=512,
 #           auto against plain SDPA and fusedattn's torch backend: where any loss is.
+#   flex    build flex-tests bench-flex (issue #71, one call of at most 8 minutes with
+#           GPU_CHECK_DEADLINE=470): the block-mask tests on the compiled kernels (every
+#           pattern against float64, forward and gradients), then benchmarks/bench_flex.py:
+#           create_block_mask at 128k (fusedattn's eager against Flex's compiled), and
+#           document masks (4 and 16 documents), prefix-LM and causal at T = 8k, 16k, 32k,
+#           D=128, bf16, forward and fwd+bwd against Flex compiled, varlen over the same
+#           documents and is_causal (targets: >= 1.2x Flex, within 10 % of varlen, 5 % of
+#           is_causal)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
@@ -68,6 +76,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   fp8) steps=" build fp8-tests bench-fp8 " ;;
   hopper) steps=" build tune-hopper tiles bench-attention " ;;
   models) steps=" build info bench-models profile-bert512 " ;;
+  flex) steps=" build flex-tests bench-flex " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
 status=0
@@ -228,6 +237,10 @@ step fp8-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=sh
   -m "gpu or kernels" tests/test_fp8.py tests/test_huggingface_fp8.py
 step bench-fp8 240 $PYTHON benchmarks/run_all.py --quick --no-plots --only fp8 --out "$out_dir"
 step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
+# issue #71: block masks on the compiled kernels, then against Flex (compiled) and varlen
+step flex-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
+  tests/test_block_mask.py
+step bench-flex 300 $PYTHON benchmarks/bench_flex.py --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"
 # issue #62: vLLM's CUDA build serving a random Llama (Llama-3-8B's attention, 8 layers) on

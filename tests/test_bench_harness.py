@@ -709,3 +709,18 @@ def test_context_parallel_benchmark_times_each_strategy_on_gloo_and_ulysses_call
     # W = 2: q, k, v and out of 8 positions, half of them sent: 8·(2·8·16 + 2·2·16)·2 B / 2
     assert bcp.ulysses_bytes(16, 2, 8, 2, 16) == 0.5 * 8 * (2 * 8 * 16 + 2 * 2 * 16) * 2
     assert "all-to-all bytes per rank" in out[0]["note"]
+
+
+def test_flex_benchmark_runs_each_pattern_and_builds_the_document_mask_on_the_cpu():
+    """bench_flex.py on the CPU: each pattern's block-mask call (the dense path there) and the
+    document mask's build with its time and peak memory (at 8k here; the script's own CPU
+    run builds 128k, the GPU preset times the kernels against Flex)."""
+    import bench_flex
+
+    env = {"device": "cpu"}
+    rows = bench_flex.run(True, torch.device("cpu"), env)
+    assert [r["mask"] for r in rows] == ["document causal, 4 docs", "document causal, 16 docs",
+                                         "prefix-LM, prefix T/4", "causal"]  # fmt: skip
+    assert all(float(r["ms"]) > 0 for r in rows)
+    built = bench_flex.build_rows(env, torch.device("cpu"), T=8192)
+    assert [r["impl"] for r in built] == ["fusedattn"] and "peak extra memory" in built[0]["note"]

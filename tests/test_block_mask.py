@@ -18,11 +18,21 @@ import fusedattn
 from fusedattn import reference
 from fusedattn.masks import and_masks, create_block_mask, or_masks
 
+# kernels: on a GPU machine these run the compiled kernels (tensors on CUDA by default, the
+# masks built on the CPU and moved by the call), on the CPU the interpreter
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernel_device")]
+
 BS = 32
 
 
-def _docs(lengths, device="cpu"):
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+def _here(t: torch.Tensor) -> torch.Tensor:
+    """A CPU-made tensor (seeded generators are CPU ones) on the test's device."""
+    return t.to(torch.get_default_device())
+
+
+def _docs(lengths):
+    return torch.repeat_interleave(torch.arange(len(lengths), device="cpu"),
+                                   torch.tensor(lengths, device="cpu"))  # fmt: skip
 
 
 def document_causal(lengths):
@@ -52,8 +62,8 @@ def window_in_documents(lengths, left):
 
 def random_blocks(nqb, nkb, B, H, seed):  # a random block pattern, random bits inside
     g = torch.Generator().manual_seed(seed)
-    keep = torch.rand(B, H, nqb, nkb, generator=g) < 0.35
-    bits = torch.rand(B, H, nqb * BS, nkb * BS, generator=g) < 0.7
+    keep = torch.rand(B, H, nqb, nkb, generator=g, device="cpu") < 0.35
+    bits = torch.rand(B, H, nqb * BS, nkb * BS, generator=g, device="cpu") < 0.7
 
     def mask_mod(b, h, q, kv):
         return keep[b, h, q // BS, kv // BS] & bits[b, h, q, kv]
@@ -62,12 +72,11 @@ def random_blocks(nqb, nkb, B, H, seed):  # a random block pattern, random bits 
 
 
 def dense_of(mask_mod, B, H, Tq, Tk):
-    q = torch.arange(Tq)[:, None]
-    kv = torch.arange(Tk)[None, :]
+    q = torch.arange(Tq, device="cpu")[:, None]
+    kv = torch.arange(Tk, device="cpu")[None, :]
+    one = lambda i: torch.tensor(i, device="cpu")  # noqa: E731
     rows = [
-        torch.stack(
-            [mask_mod(torch.tensor(b), torch.tensor(h), q, kv).expand(Tq, Tk) for h in range(H)]
-        )
+        torch.stack([mask_mod(one(b), one(h), q, kv).expand(Tq, Tk) for h in range(H)])
         for b in range(B)
     ]
     return torch.stack(rows)
@@ -76,7 +85,13 @@ def dense_of(mask_mod, B, H, Tq, Tk):
 CASES = {
     # name: (mask_mod factory, B or None, H or None, Tq, Tk)
     "document_causal": (lambda: document_causal([37, 50, 13]), None, None, 100, 100),
-    "prefix_lm_per_batch": (lambda: prefix_lm(torch.tensor([5, 70])), 2, None, 90, 90),
+    "prefix_lm_per_batch": (
+        lambda: prefix_lm(torch.tensor([5, 70], device="cpu")),
+        2,
+        None,
+        90,
+        90,
+    ),
     "window_in_documents": (lambda: window_in_documents([60, 41], 20), None, None, 101, 101),
     "random_per_head": (lambda: random_blocks(3, 4, 2, 2, 0), 2, 2, 77, 120),
     "rows_that_see_nothing": (
@@ -101,7 +116,7 @@ def test_the_builder_gives_the_mask_mod_in_both_orientations(name):
         (bm.kv_lists, bm.kv_kinds, bm.q_lists),
         (bm.q_lists, bm.q_kinds, bm.kv_lists),
     ):
-        grid = torch.zeros(*lists.shape[:3], other.shape[2], dtype=torch.int32) - 2
+        grid = torch.zeros(*lists.shape[:3], other.shape[2], dtype=torch.int32, device="cpu") - 2
         for b, h, r in itertools.product(*(range(n) for n in lists.shape[:3])):
             n = int(lists[b, h, r, 0])
             assert lists[b, h, r, 1 : 1 + n].tolist() == sorted(lists[b, h, r, 1 : 1 + n].tolist())
@@ -111,7 +126,8 @@ def test_the_builder_gives_the_mask_mod_in_both_orientations(name):
         else:
             assert torch.equal(grid.transpose(-1, -2), kv_grid)
     # full blocks are those whose every in-range entry is visible; none listed is empty
-    padded = torch.zeros(*want.shape[:2], -(-Tq // BS) * BS, -(-Tk // BS) * BS, dtype=torch.bool)
+    padded = torch.zeros(*want.shape[:2], -(-Tq // BS) * BS, -(-Tk // BS) * BS, dtype=torch.bool,
+                         device="cpu")  # fmt: skip
     padded[..., :Tq, :Tk] = want
     blocks = padded.unflatten(2, (-1, BS)).unflatten(4, (-1, BS))
     inside = torch.zeros_like(padded)
@@ -125,14 +141,16 @@ def test_the_builder_gives_the_mask_mod_in_both_orientations(name):
 def _qkv(B, H, Tq, Tk, D=16, Hkv=None, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     Hkv = Hkv or H
-    return dict(q=torch.randn(B, H, Tq, D, generator=g).to(dtype),
-                k=torch.randn(B, Hkv, Tk, D, generator=g).to(dtype),
-                v=torch.randn(B, Hkv, Tk, D, generator=g).to(dtype))  # fmt: skip
+
+    def randn(*shape):
+        return _here(torch.randn(*shape, generator=g, device="cpu").to(dtype))
+
+    return dict(q=randn(B, H, Tq, D), k=randn(B, Hkv, Tk, D), v=randn(B, Hkv, Tk, D))
 
 
 def _reference_op(block_mask, **kw):
     def op(q, k, v, attn_mask=None, **tensors):
-        dense = block_mask.to_dense()
+        dense = block_mask.to(q.device).to_dense()
         if attn_mask is not None:
             dense = (
                 attn_mask & dense
@@ -186,11 +204,12 @@ def test_block_masks_compose_with_the_other_options(variant):
         kw = dict(window_size=(25, 3), softcap=5.0)
     elif variant == "bool_and_float_masks":
         g = torch.Generator().manual_seed(3)
-        tensors["attn_mask"] = torch.randn(B, 1, Tq, Tk, generator=g)
+        tensors["attn_mask"] = _here(torch.randn(B, 1, Tq, Tk, generator=g, device="cpu"))
         tensors["attn_mask"][:, :, :, ::5] = float("-inf")
     else:
         g = torch.Generator().manual_seed(4)
-        kw = dict(alibi_slopes=torch.rand(H, generator=g), sinks=torch.randn(H, generator=g),
+        kw = dict(alibi_slopes=_here(torch.rand(H, generator=g, device="cpu")),
+                  sinks=_here(torch.randn(H, generator=g, device="cpu")),
                   causal_alignment="bottom_right", window_size=(-1, 0))  # fmt: skip
     grads = ("q", "k", "v", "attn_mask") if "attn_mask" in tensors else ("q", "k", "v")
     assert_op_kx(_triton_op(bm, **kw), _reference_op(bm, **kw), tensors, grad_of=grads)
@@ -220,14 +239,18 @@ def test_a_causal_block_mask_equals_is_causal_and_dropout_follows_the_dense_mask
     torch.manual_seed(7)
     a = fusedattn.attention(**t, block_mask=bm, dropout_p=0.3, backend="triton")
     torch.manual_seed(7)
-    b = fusedattn.attention(**t, attn_mask=bm.to_dense(), dropout_p=0.3, backend="triton")
+    b = fusedattn.attention(**t, attn_mask=_here(bm.to_dense()), dropout_p=0.3, backend="triton")
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_the_kernels_visit_only_the_listed_tiles(monkeypatch):
     """A pattern listing 2 of 16 key blocks per query row: the forward's P·V products (one per
-    visited tile) are 2/16 of the dense call's, and the backward's dK/dV updates too."""
+    visited tile) are 2/16 of the dense call's, and the backward's dK/dV updates too (counted
+    in the interpreter, where a kernel's helpers are Python calls)."""
     import fusedattn.triton_kernels.attention as kernels
+
+    if torch.get_default_device().type == "cuda":
+        pytest.skip("counts the interpreter's calls; a compiled kernel has no Python calls")
 
     T = 16 * BS
     bm = create_block_mask(
@@ -310,3 +333,31 @@ def test_compiled_block_mask_attention_is_one_graph_with_eagers_result():
     want = step(**t)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     got.sum().backward()
+
+
+def test_the_flex_attention_import_gives_torchs_flex_attention_without_a_compile():
+    """fusedattn.compat.flex_attention against torch's own flex_attention (eager, on the CPU)
+    on the same torch BlockMask and on fusedattn's; score_mod refused, naming it."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from fusedattn.compat import flex_attention as compat
+
+    doc = _here(_docs([50, 46]))  # the masks built on the device of the call
+
+    def mask_mod(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    torch_bm = flex.create_block_mask(mask_mod, None, None, 96, 96, device=torch.get_default_device(),
+                                      BLOCK_SIZE=BS)  # fmt: skip
+    ours = compat.create_block_mask(mask_mod, None, None, 96, 96, BLOCK_SIZE=BS,
+                                    device=torch.get_default_device())  # fmt: skip
+    t = _qkv(2, 4, 96, 96, Hkv=2)
+    q64, k64, v64 = (t[n].double() for n in ("q", "k", "v"))
+    want, want_lse = flex.flex_attention(q64, k64, v64, block_mask=torch_bm, enable_gqa=True,
+                                         return_lse=True)  # fmt: skip
+    for bm in (torch_bm, ours):
+        out, lse = compat.flex_attention(t["q"], t["k"], t["v"], block_mask=bm, enable_gqa=True,
+                                         return_lse=True)  # fmt: skip
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="score_mod"):
+        compat.flex_attention(t["q"], t["k"], t["v"], score_mod=lambda s, b, h, q, kv: s)

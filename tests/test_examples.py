@@ -19,6 +19,7 @@ SCRIPTS = {
     "packed_sequences.py": "step ",
     "context_parallel.py": "losses equal to the single-process run",
     "fp8_cache.py": "greedy picks equal to the bf16 cache's",
+    "document_mask.py": "step ",
 }
 
 

@@ -271,10 +271,17 @@ def is_torch_block_mask(mask) -> bool:
 def from_torch(mask, device=None) -> BlockMask:
     """A torch BlockMask as fusedattn's: its block lists as they are, the bits of its partial
     blocks from its mask_mod (evaluated on those blocks only). Cached with the object."""
-    device = torch.device(device) if device is not None else mask.kv_num_blocks.device
+    home = mask.kv_num_blocks.device  # where its mask_mod's tensors are: evaluated there
+    device = torch.device(device) if device is not None else home
     cached = _CONVERTED.get(mask)
     if cached is not None and device in cached:
         return cached[device]
+    if device != home:
+        converted = from_torch(mask).to(device)
+        with contextlib.suppress(TypeError):
+            _CONVERTED.setdefault(mask, {})[device] = converted
+        return converted
+    device = home
     bsq, bsk = _block_size(mask.BLOCK_SIZE)
     Q_LEN, KV_LEN = (int(n) for n in mask.seq_lengths)
     num, idx = mask.kv_num_blocks.to(device), mask.kv_indices.to(device)
