@@ -361,3 +361,23 @@ def test_the_flex_attention_import_gives_torchs_flex_attention_without_a_compile
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="score_mod"):
         compat.flex_attention(t["q"], t["k"], t["v"], score_mod=lambda s, b, h, q, kv: s)
+
+
+def test_the_fp8_forward_with_a_block_mask_equals_it_with_the_dense_mask():
+    """fp8 q, k, v (e4m3 with descales, inference): the block-sparse forward against the same
+    kernels on the dense bool mask the block mask stands for."""
+    from fusedattn.fp8 import quantize
+
+    B, H, T, D = 1, 2, 70, 32
+    g = torch.Generator().manual_seed(5)
+    e4m3 = torch.float8_e4m3fn
+    x = [_here(torch.randn(B, H, T, D, generator=g, device="cpu")) for _ in range(3)]
+    ds = [_here(torch.rand(B, H, generator=g, device="cpu") * 0.01 + 0.004) for _ in range(3)]
+    q8, k8, v8 = (quantize(t, d[:, :, None, None], e4m3) for t, d in zip(x, ds, strict=True))
+    bm = create_block_mask(window_in_documents([30, 40], 25), None, None, T, T, BLOCK_SIZE=BS)
+    kw = dict(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], return_lse=True, backend="triton")
+    got, lse = fusedattn.attention(q8, k8, v8, block_mask=bm, **kw)
+    want, want_lse = fusedattn.attention(q8, k8, v8, attn_mask=_here(bm.to_dense()), **kw)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
