@@ -41,7 +41,9 @@ def mask_mods(T: int, device) -> dict:
     for n in (4, 16):
         doc = documents(T, n, device)
         mods[f"document causal, {n} docs"] = (
-            lambda b, h, q, kv, doc=doc: (doc[q] == doc[kv]) & (q >= kv), doc)
+            lambda b, h, q, kv, doc=doc: (doc[q] == doc[kv]) & (q >= kv),
+            doc,
+        )
     prefix = T // 4
     mods["prefix-LM, prefix T/4"] = (lambda b, h, q, kv: (kv <= q) | (kv < prefix), None)
     mods["causal"] = (lambda b, h, q, kv: q >= kv, None)
@@ -158,7 +160,9 @@ def cpu_rows(env, device) -> list[dict]:
     q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
     for name, (mask_mod, _doc) in mask_mods(T, device).items():
         bm = create_block_mask(mask_mod, None, None, T, T, device=device, BLOCK_SIZE=64)
-        ms = harness.time_ms(lambda bm=bm: fusedattn.attention(q, k, v, block_mask=bm), device=device)
+        ms = harness.time_ms(
+            lambda bm=bm: fusedattn.attention(q, k, v, block_mask=bm), device=device
+        )
         rows.append(harness.make_row(
             env, op="block-mask", mode="fwd", impl="fusedattn", dtype="float32", B=1, H=H, Tq=T,
             Tk=T, D=D, causal=name == "causal", mask=name, ms=ms,
