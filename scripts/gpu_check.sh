@@ -41,6 +41,12 @@
 #           D=128, bf16, forward and fwd+bwd against Flex compiled, varlen over the same
 #           documents and is_causal (targets: >= 1.2x Flex, within 10 % of varlen, 5 % of
 #           is_causal)
+#   invariant build invariant-tests bench-invariant (issue #73, one call of at most 8 minutes):
+#           the batch-invariance bit-equality tests on the compiled kernels (split size 64
+#           keys so the tests' caches cross splits), then decode with fusedattn.batch_invariant
+#           off and on at B = 1, 8, 64 over 8k and 32k caches, each "on" row checking sequence
+#           0's bits alone against in the batch (targets: <= 10 % slower at B >= 8; B=1 32k
+#           >= 70 % of the copy rate)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
@@ -77,6 +83,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   hopper) steps=" build tune-hopper tiles bench-attention " ;;
   models) steps=" build info bench-models profile-bert512 " ;;
   flex) steps=" build flex-tests bench-flex " ;;
+  invariant) steps=" build invariant-tests bench-invariant " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
 status=0
@@ -241,6 +248,10 @@ step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
 step flex-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
   tests/test_block_mask.py
 step bench-flex 300 $PYTHON benchmarks/bench_flex.py --out "$out_dir"
+# issue #73: batch invariance on the compiled kernels, then its price for decoding
+step invariant-tests 150 env FUSEDATTN_SPLIT_KEYS=64 $PYTHON -m pytest \
+  -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short tests/test_batch_invariance.py
+step bench-invariant 240 $PYTHON benchmarks/bench_invariant.py --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"
 # issue #62: vLLM's CUDA build serving a random Llama (Llama-3-8B's attention, 8 layers) on

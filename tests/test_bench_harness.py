@@ -724,3 +724,16 @@ def test_flex_benchmark_runs_each_pattern_and_builds_the_document_mask_on_the_cp
     assert all(float(r["ms"]) > 0 for r in rows)
     built = bench_flex.build_rows(env, torch.device("cpu"), T=8192)
     assert [r["impl"] for r in built] == ["fusedattn"] and "peak extra memory" in built[0]["note"]
+
+
+def test_invariant_benchmark_times_decoding_with_the_switch_off_and_on_and_checks_the_bits():
+    """bench_invariant.py on the CPU: each shape off and on (through the interpreter, a tiny
+    cache), the "on" rows saying whether sequence 0's bits alone equal its bits in the batch."""
+    import bench_invariant
+
+    from fusedattn import invariance
+
+    rows = bench_invariant.run(True, torch.device("cpu"), {"device": "cpu"})
+    assert [r["impl"] for r in rows] == ["fusedattn-triton off", "fusedattn-triton on"] * 2
+    assert all("alone == in the batch: True" in r["note"] for r in rows[1::2])
+    assert not invariance.enabled()  # the switch restored

@@ -157,8 +157,15 @@ def attention_decode(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_BOUNDS: tl.constexpr = False, MASK_SCAN: tl.constexpr = 1024,
     Q_FP8: tl.constexpr = 0, CACHE_FP8: tl.constexpr = 0, DOT_F16: tl.constexpr = False,
+    INVARIANT_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
-    """One (sequence b, kv head hk, query block, key split) program. K strides: (sequence,
+    """One (sequence b, kv head hk, query block, key split) program.
+
+    INVARIANT_SPLIT > 0 (fusedattn.batch_invariant): key tiles counted from the sequence's
+    first key (leftpad_b), split s holding tiles [s, s + 1) * INVARIANT_SPLIT of them, so a
+    query's tiles and splits are the same whatever the batch, the number of splits (the grid
+    covers the capacity), the chunk its query came in, and the cache's layout (tiles read
+    through the block table one key row at a time); DOT_F16's power of two is per row. K strides: (sequence,
     position, head) for a contiguous cache; (page, slot, head) for a paged one. PART_O
     (B, Hkv, num_splits, group * Tq, Dv) and PART_LSE (B, Hkv, num_splits, group * Tq) fp32
     take the partials when SPLIT; otherwise OUT (B, Tq, Hq, Dv) and LSE (B, Hq, Tq) (strides
@@ -231,7 +238,14 @@ def attention_decode(
         q = fp8_to_float(q, Q_FP8 == 2, INTERPRETED).to(tl.bfloat16)
         scale = scale * tl.load(Q_DESCALE + b * sqd_b + hk * sqd_h)
     P_SHIFT: tl.constexpr = 8.0 if DOT_F16 else 0.0
-    if DOT_F16:  # q into fp16 by a power of two (see the docstring)
+    if DOT_F16 and INVARIANT_SPLIT:  # per row: a row's bits must not depend on its block
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), axis=1)
+        e = 14 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+        e = tl.minimum(tl.maximum(e, -126), 126)
+        q = (qf * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        scale = scale * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    elif DOT_F16:  # q into fp16 by a power of two (see the docstring)
         qf = q.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
         e = 14 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
@@ -252,12 +266,18 @@ def attention_decode(
     hi = seq_end
     if VARLEN_Q:  # a query block past the sequence's rows reads nothing
         hi = tl.where(m_blk * BLOCK_M < group * Tq_b, hi, lo)
-    # this split's key tiles: the sequence's tiles cut into num_splits runs of whole tiles
-    first_tile = lo // BLOCK_N
-    n_tiles = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) - first_tile, 0)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    tile_lo = first_tile + split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, first_tile + n_tiles)
+    if INVARIANT_SPLIT:  # tiles from the sequence's first key, splits at fixed tiles
+        base = seq_start
+        n_all = tl.where(hi > base, tl.cdiv(hi - base, BLOCK_N), 0)
+        tile_lo = tl.maximum(split * INVARIANT_SPLIT, (lo - base) // BLOCK_N)
+        tile_hi = tl.minimum(split * INVARIANT_SPLIT + INVARIANT_SPLIT, n_all)
+    else:  # this split's key tiles: the sequence's tiles cut into num_splits runs of whole tiles
+        base = 0
+        first_tile = lo // BLOCK_N
+        n_tiles = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) - first_tile, 0)
+        per_split = tl.cdiv(n_tiles, num_splits)
+        tile_lo = first_tile + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, first_tile + n_tiles)
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope2 = tl.load(SLOPES + b * sal_b + h, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -273,10 +293,13 @@ def attention_decode(
     # whole pages takes one entry per page and loads (pages, slots, D) blocks (sm_90, page 16:
     # 491 instructions per iteration against 781 with an entry per key row; see
     # scripts/static_decode.py); other page sizes take an entry per key row.
-    ONE_PAGE: tl.constexpr = PAGED and PAGE_SIZE % BLOCK_N == 0
-    WHOLE_PAGES: tl.constexpr = PAGED and not ONE_PAGE and BLOCK_N % PAGE_SIZE == 0
+    # (Under INVARIANT_SPLIT tiles start at the sequence's first key: one entry per key row.)
+    ONE_PAGE: tl.constexpr = PAGED and PAGE_SIZE % BLOCK_N == 0 and not INVARIANT_SPLIT
+    WHOLE_PAGES: tl.constexpr = (
+        PAGED and not ONE_PAGE and BLOCK_N % PAGE_SIZE == 0 and not INVARIANT_SPLIT
+    )
     for tile in range(tile_lo, tile_hi):
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = base + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (cols >= seq_start) & (cols < seq_end)
         if HAS_KEY_MASK:
             col_ok = col_ok & (tl.load(KEY_MASK + b * skm_b + cols, mask=col_ok, other=0) != 0)
@@ -344,12 +367,15 @@ def decode_combine(
     PART_O, PART_LSE, OUT, LSE, SINKS, CU_SEQLENS_Q, so_b, so_t, so_h, sl_b, sl_h, Tq, Hq, Hkv,
     Dv, group, num_splits,
     VARLEN_Q: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, ORDERED: tl.constexpr = False,
 ):  # fmt: skip
     """One output row (sequence b, query i, head h): the splits' partials merged with their
     log2-sum-exp weights, summed over the split axis in one fixed order (deterministic, no
     atomics); the sink joins the normaliser here. VARLEN_Q: packed queries as in
-    attention_decode (Tq the longest sequence's count; rows past a sequence's exit)."""
+    attention_decode (Tq the longest sequence's count; rows past a sequence's exit).
+    ORDERED (batch invariance): the splits summed one after another, split 0 first, so that
+    splits past a short sequence's end (w = 0, o = 0: exact zeros) leave its bits as they are
+    however many there are (a tree sum's pairing follows BLOCK_S)."""
     pid = tl.program_id(0)
     h = pid % Hq
     bi = pid // Hq
@@ -363,8 +389,13 @@ def decode_combine(
         q_row += q0
     hk = h // group
     row = qi * group + h % group
-    s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
+    if ORDERED:
+        _combine_ordered(PART_O, PART_LSE, OUT, LSE, SINKS, b, h, hk, row, q_row, row_ok, dv,
+                         so_b, so_t, so_h, sl_b, sl_h, Tq, Hkv, Dv, group, num_splits, HAS_SINKS,
+                         BLOCK_DV)  # fmt: skip
+        return
+    s = tl.arange(0, BLOCK_S)
     part = ((b * Hkv + hk) * num_splits + s) * (group * Tq) + row
     lse2 = tl.load(PART_LSE + part, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse2, axis=0)
@@ -381,6 +412,38 @@ def decode_combine(
     o = tl.where((w > 0.0)[:, None], o, 0.0)  # a split that saw nothing wrote 0, never NaN
     seen = total > 0.0
     out = tl.sum(o * w[:, None], axis=0) / tl.where(seen, total, 1.0)
+    tl.store(OUT + b * so_b + q_row * so_t + h * so_h + dv, out.to(OUT.dtype.element_ty),
+             mask=row_ok & (dv < Dv))  # fmt: skip
+    lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,
+                   float("-inf"))  # fmt: skip
+    tl.store(LSE + b * sl_b + h * sl_h + q_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_ordered(PART_O, PART_LSE, OUT, LSE, SINKS, b, h, hk, row, q_row, row_ok, dv, so_b,
+                     so_t, so_h, sl_b, sl_h, Tq, Hkv, Dv, group, num_splits,
+                     HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr):  # fmt: skip
+    """decode_combine's ORDERED form: the maximum, then the weighted sums, split by split."""
+    first = ((b * Hkv + hk) * num_splits) * (group * Tq) + row
+    m = tl.load(PART_LSE + first)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(PART_LSE + first + s * (group * Tq)))
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(0, num_splits):
+        part = first + s * (group * Tq)
+        w = tl.exp2(tl.load(PART_LSE + part) - m_safe)  # 0 for a split that saw no key
+        o = tl.load(PART_O + part.to(tl.int64) * Dv + dv, mask=dv < Dv, other=0.0)
+        acc += tl.where(w > 0.0, o, 0.0) * w
+        total += w
+    if HAS_SINKS:
+        total += tl.exp2(sink2 - m_safe)
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)
     tl.store(OUT + b * so_b + q_row * so_t + h * so_h + dv, out.to(OUT.dtype.element_ty),
              mask=row_ok & (dv < Dv))  # fmt: skip
     lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,

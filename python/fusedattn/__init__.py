@@ -10,6 +10,7 @@ Importing fusedattn never initialises CUDA and never imports triton.
 
 from . import masks, reference
 from ._version import __version__
+from .invariance import batch_invariant
 from .modules import LayerNorm, MultiheadAttention, RMSNorm, Softmax, swap_modules
 from .ops import (
     BackendUnavailableError,
@@ -32,6 +33,7 @@ __all__ = [
     "attention",
     "attention_with_kvcache",
     "available_backends",
+    "batch_invariant",
     "layer_norm",
     "masks",
     "reference",

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from ... import invariance
 from ...fp8 import is_fp8
 from ..core.kernels import KERNEL_DTYPES, MAX_HEAD_DIM
 from ..core.outputs import new_output
@@ -37,6 +38,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (shared/decode_launch.launch_decode): K/V read in place through the block table, never
     gathered."""
     descales = (q_descale, k_descale, v_descale)
+    if block_table is None and _invariant_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, window,
+                                                  dropout_p, alibi_slopes):  # fmt: skip
+        # fusedattn.batch_invariant: the decode kernel's tiles and splits, so that a prompt's
+        # prefill gives the bits of its chunked or token-by-token run (packed K/V read as a
+        # paged cache of one-row pages)
+        block_table = _row_table(cu_seqlens_k, max_seqlen_k)
+        k, v = k.unsqueeze(1), v.unsqueeze(1)
     if block_table is None:
         return custom_ops.run_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
@@ -54,3 +62,23 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                       cu_seqlens_q.shape[0] - 1, max_seqlen_q, scale, window, softcap,
                       alibi_slopes, sinks, 0, descales=descales)  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _invariant_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, window, dropout_p, alibi_slopes):
+    """Whether a packed varlen call runs the decode kernel (batch invariance): inference, no
+    dropout, and queries bottom-right of their keys as the decode kernel places them (a
+    bottom-right call, or one with no positional term, or the same lengths: cu_seqlens_q is
+    cu_seqlens_k, a prefill)."""
+    if not invariance.enabled() or dropout_p > 0.0:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return False
+    positional = window.bounded or alibi_slopes is not None
+    return not positional or window.bottom_right or cu_seqlens_q is cu_seqlens_k
+
+
+def _row_table(cu_seqlens_k, max_seqlen_k):
+    """(B, max_seqlen_k) int32: sequence b's key j is packed row cu_seqlens_k[b] + j (entries
+    past a sequence's length are never read)."""
+    j = torch.arange(max(int(max_seqlen_k), 1), device=cu_seqlens_k.device, dtype=torch.int32)
+    return (cu_seqlens_k[:-1, None].to(torch.int32) + j).contiguous()

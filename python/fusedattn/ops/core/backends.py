@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import invariance
 from ...fp8 import is_fp8
 from . import auto
 from . import extension as extension_loader
@@ -154,6 +155,8 @@ def static_refusals(op: str, backend: str, device: torch.device, *, auto=False) 
 def refusals(op: str, backend: str, device: torch.device, inputs: dict, *, auto=False) -> list[str]:
     """Every reason `backend` cannot run `op` on these inputs; [] when it can."""
     reasons = static_refusals(op, backend, device, auto=auto)
+    if backend in ("torch", "cuda"):  # fusedattn.batch_invariant: the Triton kernels only
+        reasons += invariance.refusal(f"the {backend} backend's {op}")
     impl = _REGISTRY[op].get(backend)
     if impl is not None:
         reasons += impl.refusals(**inputs)
@@ -180,6 +183,8 @@ def auto_order(op: str, device: torch.device, inputs: dict) -> tuple[str, ...]:
         # tensor cores, so they lead until a benchmark row says otherwise
         order_of = "attention_with_kvcache"
     default = AUTO_ORDER.get(device.type, {}).get(order_of, ("reference",))
+    if invariance.enabled():  # the Triton kernels, where they run; else the reference
+        return ("triton", "reference")
     measured = auto.measured_order(op, device, inputs)
     return measured + tuple(b for b in default if b not in measured)
 

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from ... import invariance
 from . import backends
 
 MAX_PLANS = 512  # distinct call metadata kept per op before its cache starts over
@@ -47,10 +48,10 @@ def meta(t: torch.Tensor | None):
 
 def process_state(q: torch.Tensor, backend: str) -> tuple:
     """The process state a call's decisions read: grad mode, the current CUDA device, auto's
-    override from the environment."""
+    override from the environment, batch invariance."""
     return (
         torch.is_grad_enabled(), torch._C._cuda_getDevice() if q.is_cuda else -1,
-        os.environ.get("FUSEDATTN_BACKEND") if backend == "auto" else None,
+        os.environ.get("FUSEDATTN_BACKEND") if backend == "auto" else None, invariance._enabled,
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from ... import invariance
 from ...checks import check_kvcache_args, check_tensor
 from ..core import backends
 from ..core.plans import tracing
@@ -74,7 +75,8 @@ def attention_with_kvcache(
     GQA/MQA, scale and a row that sees no key (0 output, lse -inf or the sink) as in
     `attention`. num_splits: key splits per (sequence, kv head); 0 picks them per call so
     that batch 1 fills the GPU; fp32 partials combined in a fixed order (the same inputs give
-    the same bits). Returns out (B, Tq, Hq, Dv) [, lse (B, Hq, Tq) fp32].
+    the same bits). Under fusedattn.batch_invariant the keys are split at fixed positions
+    whatever the batch, and a num_splits other than 0 is refused. Returns out (B, Tq, Hq, Dv) [, lse (B, Hq, Tq) fp32].
 
     FP8 caches: k_cache and v_cache in torch.float8_e4m3fn or torch.float8_e5m2 (one type for
     both), in every layout above, with k_descale and v_descale (float32, (B, Hkv) or one
@@ -96,6 +98,11 @@ def attention_with_kvcache(
     never read or write outside the caches, the block table or the lengths whatever the
     values.
     """
+    if invariance.enabled() and num_splits != 0:
+        raise ValueError(
+            f"num_splits={num_splits}: fusedattn.batch_invariant is on, which splits the keys "
+            f"at fixed positions itself (pass num_splits=0)"
+        )
     plan_key = None
     if not tracing():  # an eager call of known metadata: its plan (plans.py)
         plan_key = plans.key(

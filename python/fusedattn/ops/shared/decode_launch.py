@@ -9,8 +9,11 @@ a plan keeps them for every later call with that metadata (decode/plans.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ... import invariance
 from ...cache_layout import append_to_cache, kvcache_capacity
 from ..core import backends, triton_launch
 from ..core.kernels import dense, dot_flags, kernels, sm_count
@@ -73,12 +76,19 @@ class TritonDecode:
         group = Hq // Hkv
         scale = D**-0.5 if scale is None else float(scale)
         cfg = K.decode_config(group * Tq, D, Dv, q.is_cuda)
-        m_blocks = -(-group * Tq // cfg.block_m)
         paged = block_table is not None
         capacity = kvcache_capacity(k_cache, block_table)
+        invariant_split = 0
+        if invariance.enabled():  # fusedattn.batch_invariant: splits at fixed key positions,
+            # one query-block height for every call, every split through the ordered combine
+            cfg = dataclasses.replace(cfg, block_m=16)
+            split_keys = invariance.split_keys(q.is_cuda)
+            invariant_split = max(1, split_keys // cfg.block_n)
+            num_splits = max(1, -(-capacity // (invariant_split * cfg.block_n)))
+        m_blocks = -(-group * Tq // cfg.block_m)
         if num_splits == 0:
             num_splits = default_splits(cfg, B * Hkv * m_blocks, capacity, q.device)
-        self.split = num_splits > 1
+        self.split = num_splits > 1 or invariant_split > 0
         self.varlen = cu_seqlens_q is not None
         self.device = q.device
         # the partials: one fp32 buffer, the outputs then the log-sum-exps
@@ -123,6 +133,8 @@ class TritonDecode:
                 if interpreted:  # the interpreter's fp16 dot: fp32 (exact products)
                     self.decode_constexprs["DOT_IN_FP32"] = True
             self.out_dtype = torch.bfloat16 if q.dtype in FP8_CODES else q.dtype
+        if invariant_split:
+            self.decode_constexprs["INVARIANT_SPLIT"] = invariant_split
         if mask_bounds:  # the keys' bounds from the key mask, found by each program
             scan = 16 if interpreted else min(1024, max(16, 1 << (capacity - 1).bit_length()))
             self.decode_constexprs.update(MASK_BOUNDS=True, MASK_SCAN=scan)
@@ -131,7 +143,7 @@ class TritonDecode:
         self.combine_constexprs = dict(
             VARLEN_Q=self.varlen, HAS_SINKS=sinks is not None,
             BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), BLOCK_DV=cfg.block_dv,
-            num_warps=1 if interpreted else 4,
+            num_warps=1 if interpreted else 4, ORDERED=invariant_split > 0,
         )  # fmt: skip
         self.combine_grid = (B * Tq * Hq,)
         self.kernels = K
