@@ -46,6 +46,10 @@ CASES = {
     "hf_layout_key_mask_tq1_fp8": dict(paged=0, Tq=1, split=True, hf=True, cache_fp8=1),
     "paged16_varlen_tq64_causal_fp8": dict(paged=16, Tq=64, split=False, varlen=True,
                                            window=(-1, 0), cache_fp8=1),
+    # fusedattn.batch_invariant (issue #73): tiles from the sequence's first key, splits of
+    # 1024 keys at fixed positions, an entry per key row of a paged cache
+    "contiguous_tq1_invariant": dict(paged=0, Tq=1, split=True, invariant=16),
+    "paged16_tq1_invariant": dict(paged=16, Tq=1, split=True, invariant=16),
 }  # fmt: skip
 FP8_TYPES = {1: "float8_e4m3fn", 2: "float8_e5m2"}
 
@@ -136,6 +140,7 @@ def launch_args(name: str):
         BLOCK_D=cfg.block_d, BLOCK_DV=cfg.block_dv, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, MASK_BOUNDS=bool(c.get("hf")), MASK_SCAN=1024,
         Q_FP8=q_fp8, CACHE_FP8=cache_fp8, DOT_F16=bool(cache_fp8),
+        INVARIANT_SPLIT=c.get("invariant", 0),
     )  # fmt: skip
     return args, constexprs, cfg
 

@@ -96,7 +96,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("Tq", [1, 45, 130])
+# in the interpreter (4 programs) every Tq is above the program count: 130 on a GPU only
+@pytest.mark.parametrize("Tq", [1, 45, 130] if GPU else [1, 45])
 @pytest.mark.parametrize("case", CASES)
 def test_persistent_programs_equal_the_plain_grid(monkeypatch, case, Tq):
     """B·H·query blocks below, at and above the program count: each block's rows come out of
