@@ -43,7 +43,7 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
         for mode in ("off", "on"):
             with fusedattn.batch_invariant(mode == "on"):
 
-                def call():
+                def call(q=q, k=k, v=v, seqlens=seqlens):
                     return fusedattn.attention_with_kvcache(q, k, v, cache_seqlens=seqlens,
                                                             backend="triton")  # fmt: skip
 
