@@ -350,3 +350,44 @@ def test_a_non_causal_batch_lets_each_query_see_every_key_of_its_request(backend
         builder.build(0, _batch_metadata(torch.tensor([True, False]), query_lens, seq_lens,
                                          table))  # fmt: skip
     assert fused_vllm.FusedAttentionBackend.supports_non_causal()
+
+
+def test_vllm_batch_invariant_turns_the_switch_on_and_a_request_keeps_its_bits(monkeypatch):
+    """VLLM_BATCH_INVARIANT=1: building the backend turns fusedattn.batch_invariant on; the
+    torch backend is refused by name; a request's attention (its decode step, its prefill
+    chunk) is the same bits alone and batched with other requests of other lengths."""
+    from fusedattn import invariance
+
+    monkeypatch.setenv(fused_vllm.INVARIANT_ENV, "1")
+    monkeypatch.setenv(fused_vllm.BACKEND_ENV, "torch")
+    with pytest.raises(
+        ValueError, match="VLLM_BATCH_INVARIANT=1 with FUSEDATTN_VLLM_BACKEND=torch"
+    ):
+        fused_vllm.FusedAttentionImpl(num_heads=4, head_size=64, scale=0.125)
+    monkeypatch.setenv(fused_vllm.BACKEND_ENV, "auto")
+    try:
+        torch.manual_seed(0)
+        H, Hkv, D, page = 4, 2, 32, 16
+        impl = fused_vllm.FusedAttentionImpl(H, D, D**-0.5, num_kv_heads=Hkv)
+        assert invariance.enabled()
+        builder = object.__new__(fused_vllm.FusedAttentionMetadataBuilder)
+        kv_cache = torch.randn(12, Hkv, page, 2 * D)
+        layer = type("Scales", (), dict(_k_scale=torch.ones(()), _v_scale=torch.ones(())))
+        rows = torch.randn(9, H * D)  # request A: one decode token, then 5 prefill tokens
+
+        def run(query_lens, seq_lens, table, query):
+            meta = builder.build(0, _batch_metadata(True, query_lens, seq_lens, table))
+            return impl.forward(layer, query, query, query, kv_cache, meta,
+                                torch.empty_like(query))  # fmt: skip
+
+        a_table = torch.tensor([[3, 8, 1]], dtype=torch.int32)
+        alone_decode = run([1], [40], a_table, rows[:1])
+        alone_prefill = run([5], [45], a_table, rows[1:6])
+        others = torch.tensor([[0, 2, 4], [5, 6, 7]], dtype=torch.int32)
+        mixed = run([1, 1, 5, 3], [40, 17, 45, 21], torch.cat([a_table, others[:1], a_table,
+                                                               others[1:]]),
+                    torch.cat([rows[:1], rows[6:7], rows[1:6], rows[6:9]]))  # fmt: skip
+        assert torch.equal(mixed[:1], alone_decode)
+        assert torch.equal(mixed[2:7], alone_prefill)
+    finally:
+        fusedattn.batch_invariant(False)

@@ -33,6 +33,12 @@ flash-attention's (w - 1, 0)), softcap, ALiBi slopes, sinks (GPT-OSS), the scale
 descales. Refused when the engine starts (a ValueError naming the reason): encoder or
 cross-attention layers, an fp8 query (`--calculate-kv-scales` query quantization), other
 quantized caches (int8/int4/nvfp4 per token-head, turboquant), fused output quantization.
+
+`VLLM_BATCH_INVARIANT=1` (vLLM's batch-invariant mode) turns on fusedattn.batch_invariant for
+the process when the backend is built: a request's attention then gives the same bits whatever
+else is batched with it, however its prompt was chunked (docs/batch_invariance.md). Refused
+when the engine starts: FUSEDATTN_VLLM_BACKEND torch or cuda (not batch invariant), and a
+device where the Triton kernels cannot run (a CPU without TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -57,12 +63,15 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 import fusedattn
+from fusedattn import invariance
 from fusedattn.fp8 import quantize
+from fusedattn.ops.core import backends
 
 # Under vLLM's logger: its configuration (handlers, VLLM_LOGGING_LEVEL) reaches only "vllm.*"
 logger = init_logger("vllm.plugins.fusedattn")
 SELECT_ENV = "FUSEDATTN_VLLM"
 BACKEND_ENV = "FUSEDATTN_VLLM_BACKEND"
+INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 BACKENDS = ("auto", "triton", "torch", "reference", "cuda")
 CLASS_PATH = f"{__name__}.FusedAttentionBackend"
 # vLLM's cache dtype names and the fp8 types fusedattn reads them as.
@@ -250,6 +259,13 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
         if kv_cache_dtype not in ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES):
             refuse.append(f"kv_cache_dtype={kv_cache_dtype!r} (auto, float16, bfloat16 and "
                           f"{', '.join(FP8_CACHE_DTYPES)} are read)")  # fmt: skip
+        backend = chosen_backend()
+        if os.environ.get(INVARIANT_ENV, "0") not in ("", "0"):
+            if backend in ("torch", "cuda"):
+                refuse.append(f"{INVARIANT_ENV}=1 with {BACKEND_ENV}={backend} (that backend is "
+                              "not batch invariant; triton or auto is)")  # fmt: skip
+            else:
+                fusedattn.batch_invariant(True)
         if refuse:
             raise ValueError("fusedattn's vLLM backend cannot serve this layer: "
                              + "; ".join(refuse))  # fmt: skip
@@ -266,13 +282,18 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
-        self.backend = chosen_backend()
+        self.backend = backend
 
     def rehearse(self, name: str, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:  # fmt: skip
         """A decode step and a paged prefill of this layer's configuration on two tokens of a
         one-page cache, when the engine starts: whatever fusedattn refuses (a head size, an
-        option the chosen backend lacks) fails there, named, and not at the first request."""
+        option the chosen backend lacks; batch invariance where the Triton kernels cannot run)
+        fails there, named, and not at the first request."""
+        triton_refusals = backends.device_refusals("triton", torch.device(device))
+        if invariance.enabled() and triton_refusals:
+            raise ValueError(f"fusedattn's vLLM backend cannot serve {name}: {INVARIANT_ENV}=1 "
+                             f"needs the Triton kernels: {'; '.join(triton_refusals)}")  # fmt: skip
         cache_dtype = self.fp8_dtype or dtype
         page = torch.zeros(1, block_size, self.num_kv_heads, 2 * self.head_size, device=device)
         kv_cache = page.to(cache_dtype).transpose(1, 2)  # vLLM's (blocks, Hkv, size, 2 D)
