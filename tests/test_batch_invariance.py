@@ -82,7 +82,10 @@ def _batch_case(seed, others, page_size, Tq=1):
     return alone, (batch[0][at : at + 1], batch[1][at : at + 1])
 
 
-@pytest.mark.parametrize("page_size", [0, 1, 3, 16])
+# the paged layouts among the slow tests (make test-fast: the contiguous one)
+@pytest.mark.parametrize(
+    "page_size", [0, *(pytest.param(n, marks=pytest.mark.slow) for n in (1, 3, 16))]
+)
 def test_decoding_gives_a_sequence_the_same_bits_in_any_batch_and_layout(invariant, page_size):
     """(a), (b), (d): alone or among 1-31 others, anywhere in the batch; contiguous or paged at
     any page size (and a capacity of other size): the same out and lse, bit for bit. (31

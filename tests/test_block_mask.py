@@ -179,6 +179,7 @@ def test_triton_block_sparse_attention_matches_float64(name):
     assert_op_kx(_triton_op(bm), _reference_op(bm), tensors, grad_of=("q", "k", "v"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant",
     ["causal_gqa_bf16", "padding_window_softcap", "bool_and_float_masks", "alibi_sinks_tq_ne_tk"],
@@ -243,6 +244,7 @@ def test_a_causal_block_mask_equals_is_causal_and_dropout_follows_the_dense_mask
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_kernels_visit_only_the_listed_tiles(monkeypatch):
     """A pattern listing 2 of 16 key blocks per query row: the forward's P·V products (one per
     visited tile) are 2/16 of the dense call's, and the backward's dK/dV updates too (counted
