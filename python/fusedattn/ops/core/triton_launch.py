@@ -14,8 +14,8 @@ Triton reads of a tensor when it specialises), the constexprs and launch options
 device and Triton's debug and instrumentation settings. Two calls with equal keys would have
 picked the same compiled kernel through Triton's own path, so the second one calls it directly
 (`CompiledKernel[grid](*all parameters)`: the same launcher call Triton's own path ends in):
-~8 µs. Anything this cannot key (a kernel under the interpreter, pre-run hooks, globals the
-kernel reads, a stage-inspection hook, a grid given as a function, arguments that are not
+~8 µs. Anything this cannot key (a kernel under the interpreter, pre-run hooks, module globals
+the kernel reads other than tl.constexpr constants, a stage-inspection hook, a grid given as a function, arguments that are not
 tensors-then-scalars) takes Triton's path every time. FUSEDATTN_TRITON_LAUNCH_CACHE=0 (read
 at import) turns the shortcut off.
 
@@ -133,7 +133,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
     key = None
     if not (
         kernel.pre_run_hooks
-        or kernel.used_global_vals
+        or (kernel.used_global_vals and _reads_mutable_globals(kernel))
         or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
     ):
         key = launch_key(entry, args, constexprs, driver.active.get_current_device(), knobs)
@@ -155,6 +155,18 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
         if len(entry.compiled) >= MAX_KEYS_PER_KERNEL:
             entry.compiled.clear()
         entry.compiled[key] = (compiled, tail)
+
+
+def _reads_mutable_globals(kernel) -> bool:
+    """Whether a compiled kernel read a module global that is not a tl.constexpr. Triton
+    records every global a kernel reads (used_global_vals) and re-checks them on its own path
+    at each launch; a tl.constexpr module constant (the fp8 helpers' E4M3_BIAS and the like)
+    is part of the source, fixed at import, so it does not stop the cache. Before this test
+    the fp8 helpers' constants sent every decode launch after the first compiled variant
+    down Triton's path: bench_host's decode+append row 55 µs against 19 (issue #73 item 6)."""
+    from triton.language import constexpr
+
+    return any(not isinstance(value, constexpr) for value, _ in kernel.used_global_vals.values())
 
 
 def _tail(entry, positional: int, constexprs: dict):

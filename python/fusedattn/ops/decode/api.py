@@ -98,7 +98,7 @@ def attention_with_kvcache(
     never read or write outside the caches, the block table or the lengths whatever the
     values.
     """
-    if invariance.enabled() and num_splits != 0:
+    if invariance._enabled and num_splits != 0:  # an attribute, not a call: every step reads it
         raise ValueError(
             f"num_splits={num_splits}: fusedattn.batch_invariant is on, which splits the keys "
             f"at fixed positions itself (pass num_splits=0)"
