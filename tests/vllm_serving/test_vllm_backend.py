@@ -358,6 +358,7 @@ def test_vllm_batch_invariant_turns_the_switch_on_and_a_request_keeps_its_bits(m
     chunk) is the same bits alone and batched with other requests of other lengths."""
     from fusedattn import invariance
 
+    assert fused_vllm.FusedAttentionBackend.supports_batch_invariance()
     monkeypatch.setenv(fused_vllm.INVARIANT_ENV, "1")
     monkeypatch.setenv(fused_vllm.BACKEND_ENV, "torch")
     with pytest.raises(

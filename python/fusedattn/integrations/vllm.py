@@ -163,6 +163,11 @@ class FusedAttentionBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # VLLM_BATCH_INVARIANT=1 turns fusedattn.batch_invariant on (FusedAttentionImpl)
+        return True
+
+    @classmethod
     def supports_non_causal(cls) -> bool:
         # A batch whose metadata says causal=False (drafters, encoders served through the
         # decoder path) runs non-causal: every query of a request sees all of its keys.
