@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from .. import fp8
+from .. import fp8, invariance
 from ..ops import attention, varlen_attention
 from ..ops.core import backends
 from ..ops.decode.api import decode_with_key_mask
@@ -152,7 +152,10 @@ def attention_forward(
             if attention_mask.dtype == torch.bool
             else position_bias + attention_mask
         )  # fmt: skip
-    if _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend):
+    if _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) or (
+        _invariant_prefill(query, key, value, attention_mask, dropout, s_aux, causal, window,
+                           position_bias)
+    ):  # fmt: skip
         return _decode_step(query, key, value, attention_mask, causal, window, variants,
                             descales)  # fmt: skip
     if descales is not None:  # the fp8 storage of a cache, read dequantized by this path
@@ -207,6 +210,26 @@ def _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) 
     if name == "auto":
         return query.is_cuda
     return name != "torch" and name in backends._REGISTRY["attention_with_kvcache"]
+
+
+def _invariant_prefill(query, key, value, attention_mask, dropout, s_aux, causal, window,
+                       position_bias) -> bool:
+    """Under fusedattn.batch_invariant, a causal prefill (or any step) of an inference call
+    runs the decode kernel too, its key tiles counted from each sequence's first visible key
+    (the padding mask's last row): a left-padded prompt then gets the bits of the same
+    prompt alone, and prefill and decode share one kernel body. Not with a sliding window
+    (the mask's last row is the last query's window only), a position bias or dropout."""
+    if not invariance._enabled or not causal or window is not None or dropout:
+        return False
+    if position_bias is not None or query.shape[2] > key.shape[2]:
+        return False
+    tensors = (query, key, value, s_aux)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return attention_mask is None or (
+        attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+        and attention_mask.shape[-1] == key.shape[2]
+    )  # fmt: skip
 
 
 def _decode_step(query, key, value, attention_mask, causal, window, variants, descales):
