@@ -50,7 +50,7 @@ def tiny_llama(attn_implementation=None):
 def prompts():
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, VOCAB, (37,), generator=g)
-    others = [torch.randint(1, VOCAB, (n,), generator=g) for n in (5, 60, 23)]
+    others = [torch.randint(1, VOCAB, (n,), generator=g) for n in (5, 30, 13)]
     # the prompt alone, then inside two batches of other prompts, at other places
     return prompt, [([prompt], 0), ([others[0], prompt, others[1]], 1), ([prompt, others[2]], 0)]
 
@@ -76,7 +76,7 @@ def hf() -> None:
     tokens, attention, logprob_gap = [], [], 0.0
     for seqs, at in batches:
         ids, mask = left_padded(seqs)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0)  # fmt: skip
         tokens.append(out.sequences[at, ids.shape[1] :].tolist())
@@ -109,7 +109,7 @@ def vllm() -> None:
     tiny_llama().save_pretrained(folder)
     llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=512, block_size=32, seed=0)  # fmt: skip
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, detokenize=False,
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, detokenize=False,
                             ignore_eos=True)  # fmt: skip
     _, batches = prompts()
 

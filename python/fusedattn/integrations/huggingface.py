@@ -212,8 +212,9 @@ def _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) 
     return name != "torch" and name in backends._REGISTRY["attention_with_kvcache"]
 
 
-def _invariant_prefill(query, key, value, attention_mask, dropout, s_aux, causal, window,
-                       position_bias) -> bool:
+def _invariant_prefill(
+    query, key, value, attention_mask, dropout, s_aux, causal, window, position_bias
+) -> bool:
     """Under fusedattn.batch_invariant, a causal prefill (or any step) of an inference call
     runs the decode kernel too, its key tiles counted from each sequence's first visible key
     (the padding mask's last row): a left-padded prompt then gets the bits of the same
