@@ -120,6 +120,57 @@ def attention(
         if plan is not None:
             return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks,
                         (q_descale, k_descale, v_descale))  # fmt: skip
+    inputs, shift = _checked_inputs(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+        return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        out_dtype=out_dtype,
+    )  # fmt: skip
+    impl = backends.select("attention", backend, q.device, inputs)
+    if plan_key is not None:
+        plan = plans.AttentionPlan(impl, inputs)
+        plans.PLANS.remember(plan_key, plan)
+        return _shifted(plan.run(inputs), shift, return_lse)
+    return _shifted(impl.run(**inputs), shift, return_lse)
+
+
+def _block_mask_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
+                     key_padding_mask, window_size, softcap, alibi_slopes, sinks,
+                     causal_alignment, return_lse, q_descale, k_descale, v_descale, out_dtype,
+                     block_mask, backend):  # fmt: skip
+    """attention() with a block mask: checked, then the Triton kernels' block-sparse loops, or
+    the dense mask on the reference and torch backends (no plans: the mask's tensors are the
+    call's)."""
+    inputs, shift = _checked_inputs(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
+        return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        out_dtype=out_dtype,
+    )  # fmt: skip
+    q = inputs["q"]
+    bm = check_block_mask(block_mask, q, inputs["k"])
+    if backend == "cuda":
+        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel; use "
+                         "backend='triton' (or 'auto')")  # fmt: skip
+    if backend == "auto":  # the kernels skip what the mask hides; off a GPU, the dense mask
+        backend = "triton" if q.is_cuda else "auto"
+    impl = backends.select("attention", backend, q.device, inputs)
+    if impl.backend == "triton":
+        inputs.pop("enable_gqa")
+        return _shifted(block_sparse.run(block_mask=bm, **inputs), shift, return_lse)
+    if impl.backend == "cuda":
+        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel")
+    inputs["attn_mask"] = block_sparse.merge_dense(inputs["attn_mask"], bm)
+    return _shifted(impl.run(**inputs), shift, return_lse)
+
+
+def _checked_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
+                    key_padding_mask, window_size, softcap, alibi_slopes, sinks,
+                    causal_alignment, return_lse, q_descale, k_descale, v_descale, out_dtype):  # fmt: skip
+    """A call's autocast, every argument check and the float-mask shift: (the keyword
+    arguments every backend takes, the shift the lse gets back, or None)."""
     cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
     q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
     window = check_attention_args(
@@ -140,61 +191,11 @@ def attention(
     if is_fp8(q):
         inputs.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       out_dtype=output_dtype(q, out_dtype))  # fmt: skip
-    impl = backends.select("attention", backend, q.device, inputs)
-    if plan_key is not None:
-        plan = plans.AttentionPlan(impl, inputs)
-        plans.PLANS.remember(plan_key, plan)
-        result = plan.run(inputs)
-    else:
-        result = impl.run(**inputs)
-    if return_lse and shift is not None:
-        out, lse = result
-        return out, lse + shift.float()
-    return result
+    return inputs, shift
 
 
-def _block_mask_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
-                     key_padding_mask, window_size, softcap, alibi_slopes, sinks,
-                     causal_alignment, return_lse, q_descale, k_descale, v_descale, out_dtype,
-                     block_mask, backend):  # fmt: skip
-    """attention() with a block mask: checked, then the Triton kernels' block-sparse loops, or
-    the dense mask on the reference and torch backends (no plans: the mask's tensors are the
-    call's)."""
-    cast = apply_autocast("attention", dict(q=q, k=k, v=v, attn_mask=attn_mask))
-    q, k, v, attn_mask = cast["q"], cast["k"], cast["v"], cast["attn_mask"]
-    window = check_attention_args(
-        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        causal_alignment=causal_alignment, return_lse=return_lse, q_descale=q_descale,
-        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-    )  # fmt: skip
-    bm = check_block_mask(block_mask, q, k)
-    if backend == "cuda":
-        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel; use "
-                         "backend='triton' (or 'auto')")  # fmt: skip
-    if backend == "auto":  # the kernels skip what the mask hides; off a GPU, the dense mask
-        backend = "triton" if q.is_cuda else "auto"
-    shift = None
-    if attn_mask is not None and sinks is None:
-        visible = visible_keys(key_padding_mask, window, q.shape[2], k.shape[2], q.device)
-        attn_mask, shift = shift_float_mask(attn_mask, visible)
-    inputs = dict(
-        q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=float(dropout_p), scale=scale,
-        enable_gqa=enable_gqa, key_padding_mask=key_padding_mask, window=window,
-        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
-    )  # fmt: skip
-    if is_fp8(q):
-        inputs.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      out_dtype=output_dtype(q, out_dtype))  # fmt: skip
-    impl = backends.select("attention", backend, q.device, inputs)
-    if impl.backend == "triton":
-        inputs.pop("enable_gqa")
-        result = block_sparse.run(block_mask=bm, **inputs)
-    elif impl.backend == "cuda":
-        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel")
-    else:
-        inputs["attn_mask"] = block_sparse.merge_dense(attn_mask, bm)
-        result = impl.run(**inputs)
+def _shifted(result, shift, return_lse):
+    """The result with the float-mask shift given back to its lse."""
     if return_lse and shift is not None:
         out, lse = result
         return out, lse + shift.float()
