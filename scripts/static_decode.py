@@ -50,6 +50,7 @@ CASES = {
     # 1024 keys at fixed positions, an entry per key row of a paged cache
     "contiguous_tq1_invariant": dict(paged=0, Tq=1, split=True, invariant=16),
     "paged16_tq1_invariant": dict(paged=16, Tq=1, split=True, invariant=16),
+    "contiguous_tq1_fp8_invariant": dict(paged=0, Tq=1, split=True, cache_fp8=1, invariant=16),
 }  # fmt: skip
 FP8_TYPES = {1: "float8_e4m3fn", 2: "float8_e5m2"}
 
