@@ -1,5 +1,6 @@
 """Host cost of one call: microseconds of CPU time per forward, backward (of a saved graph) and
-forward+backward of fusedattn.attention, layer_norm, rms_norm and softmax on the Triton path,
+forward+backward of fusedattn.attention, layer_norm, rms_norm and softmax, and the forward of
+fusedattn.linear (one row: a decode step's projection), on the Triton path,
 with the GPU work taken out of the picture.
 
     python benchmarks/bench_host.py [--sm90-tool ../shared/tools/sm90_static.py] [--out DIR]
@@ -303,6 +304,11 @@ def cases(fusedattn, device, dtype, every_op: bool):
     if hasattr(fusedattn, "rms_norm"):  # checkouts older than RMSNorm (run via PYTHONPATH)
         yield "rmsnorm", lambda: fusedattn.rms_norm(x, (N,), w, backend="triton"), (x, w), shape
     yield "softmax", lambda: fusedattn.softmax(x, -1, backend="triton"), (x,), shape
+    if hasattr(fusedattn, "linear"):  # the batch-invariant matmul, one decode row (Llama's o_proj)
+        x1 = torch.randn(1, 4096, device=device, dtype=dtype)
+        w1 = torch.randn(4096, 4096, device=device, dtype=dtype)
+        call = functools.partial(fusedattn.linear, x1, w1, backend="triton")
+        yield "linear", call, (), dict(M=1, N=4096)
     if not hasattr(fusedattn, "attention_with_kvcache"):  # checkouts older than decoding
         return
     # new names: the attention calls above read q, k, v when they run (this is a generator)

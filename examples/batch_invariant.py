@@ -10,11 +10,12 @@ fixed positions from each sequence's first key.
 
 - vLLM: greedy tokens and their log-probabilities equal bit for bit, alone and in two other
   batches; with the switch off the log-probabilities differ in their last bits.
-- Hugging Face: greedy tokens equal, and each layer's attention output (caught with hooks in a
-  forward over the prompt) equal bit for bit alone and left-padded in a batch; the
-  log-probabilities of `generate` differ by ~1e-6, from torch's own matmuls, which on the CPU
-  take another path for one row than for several (a decode step multiplies B rows): fusedattn
-  does not replace those.
+- Hugging Face: greedy tokens and their log-probabilities equal bit for bit alone and
+  left-padded in two other batches. Besides the attention (attn_implementation="fusedattn"),
+  `fusedattn.swap_modules(model, linear=True)` puts fusedattn's RMSNorm and Linear in the
+  model: under the switch its projections and its head run the batch-invariant Triton matmul
+  (torch's own matmuls take another path for one row than for several, and a decode step
+  multiplies B rows). With the switch off the log-probabilities differ in their last bits.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def hf() -> None:
     import fusedattn.integrations.huggingface as fa_hf
 
     fa_hf.register()
-    model = tiny_llama("fusedattn")
+    model = fusedattn.swap_modules(tiny_llama("fusedattn"), linear=True)
     prompt, batches = prompts()
 
     def left_padded(seqs):
@@ -73,31 +74,41 @@ def hf() -> None:
     caught = []
     for layer in model.model.layers:
         layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: caught.append(a[0]))
-    tokens, attention, logprob_gap = [], [], 0.0
-    for seqs, at in batches:
+
+    def generate(seqs, at):
         ids, mask = left_padded(seqs)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0)  # fmt: skip
-        tokens.append(out.sequences[at, ids.shape[1] :].tolist())
         logprobs = torch.stack([torch.log_softmax(x[at].float(), -1) for x in out.logits])
-        if len(tokens) == 1:
-            first = logprobs
-        logprob_gap = max(logprob_gap, (logprobs - first).abs().max().item())
+        return out.sequences[at, ids.shape[1] :].tolist(), logprobs
+
+    runs = [generate(seqs, at) for seqs, at in batches]
+    tokens = [t for t, _ in runs]
+    assert all(t == tokens[0] for t in tokens), tokens
+    same_logprobs = all(torch.equal(lp, runs[0][1]) for _, lp in runs)
+    assert same_logprobs, "a log-probability changed with the batch"
+    with fusedattn.batch_invariant(False):
+        off = [generate(seqs, at)[1] for seqs, at in batches]
+    off_gap = max((lp - off[0]).abs().max().item() for lp in off)
+
+    attention = []
+    for seqs, at in batches:
+        ids, mask = left_padded(seqs)
         caught.clear()
         with torch.no_grad():
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             model(input_ids=ids, attention_mask=mask, position_ids=positions)
         attention.append([c[at, -len(prompt) :] for c in caught])
-    assert all(t == tokens[0] for t in tokens), tokens
     same = all(
         torch.equal(a, b)
         for layer in attention[1:]
         for a, b in zip(attention[0], layer, strict=True)
     )
     assert same, "an attention output changed with the batch"
-    print(f"hf: tokens {tokens[0]} in all {len(batches)} batches; attention outputs equal bit "
-          f"for bit; generate's log-probabilities within {logprob_gap:.1e} (torch's matmuls)")  # fmt: skip
+    print(f"hf: tokens {tokens[0]} and their log-probabilities equal bit for bit in all "
+          f"{len(batches)} batches, each layer's attention output too; with the switch off the "
+          f"log-probabilities differ by up to {off_gap:.1e}")  # fmt: skip
 
 
 def vllm() -> None:

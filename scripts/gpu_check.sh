@@ -46,7 +46,8 @@
 #           keys so the tests' caches cross splits), then decode with fusedattn.batch_invariant
 #           off and on at B = 1, 8, 64 over 8k and 32k caches, each "on" row checking sequence
 #           0's bits alone against in the batch (targets: <= 10 % slower at B >= 8; B=1 32k
-#           >= 70 % of the copy rate)
+#           >= 70 % of the copy rate); fusedattn.linear's invariant matmul against cuBLAS on
+#           Llama-3-8B's projections at M = 1, 8, 64, 4096 (tests/test_linear.py runs first)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
@@ -250,7 +251,7 @@ step flex-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=s
 step bench-flex 300 $PYTHON benchmarks/bench_flex.py --out "$out_dir"
 # issue #73: batch invariance on the compiled kernels, then its price for decoding
 step invariant-tests 150 env FUSEDATTN_SPLIT_KEYS=64 $PYTHON -m pytest \
-  -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short tests/test_batch_invariance.py
+  -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short tests/test_batch_invariance.py tests/test_linear.py
 step bench-invariant 240 $PYTHON benchmarks/bench_invariant.py --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"

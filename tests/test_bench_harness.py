@@ -735,12 +735,20 @@ def test_flex_benchmark_runs_each_pattern_and_builds_the_document_mask_on_the_cp
 
 def test_invariant_benchmark_times_decoding_with_the_switch_off_and_on_and_checks_the_bits():
     """bench_invariant.py on the CPU: each shape off and on (through the interpreter, a tiny
-    cache), the "on" rows saying whether sequence 0's bits alone equal its bits in the batch."""
+    cache), the "on" rows saying whether sequence 0's bits alone equal its bits in the batch;
+    then the projections' matmul, torch's and the invariant one, with the same check."""
     import bench_invariant
 
     from fusedattn import invariance
 
     rows = bench_invariant.run(True, torch.device("cpu"), {"device": "cpu"})
-    assert [r["impl"] for r in rows] == ["fusedattn-triton off", "fusedattn-triton on"] * 2
-    assert all("alone == in the batch: True" in r["note"] for r in rows[1::2])
+    decode, matmul = rows[:4], rows[4:]
+    assert [r["impl"] for r in decode] == ["fusedattn-triton off", "fusedattn-triton on"] * 2
+    assert all("alone == in the batch: True" in r["note"] for r in decode[1::2])
+    # the projections: torch's F.linear and the invariant matmul at M = 1 and 8
+    assert [(r["impl"], r["M"]) for r in matmul] == [
+        ("torch F.linear", 1), ("fusedattn-triton on", 1),
+        ("torch F.linear", 8), ("fusedattn-triton on", 8),
+    ]  # fmt: skip
+    assert all("alone == among the" in r["note"] and ": True" in r["note"] for r in matmul[1::2])
     assert not invariance.enabled()  # the switch restored

@@ -47,6 +47,7 @@ def _packed_and_rowwise_cases():
     q, k, v = (torch.randn(12, 4, 16) for _ in range(3))
     cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
     x, w, bias = torch.randn(6, 40), torch.randn(40), torch.randn(40)
+    w2 = torch.randn(7, 40)
     cu_q, sinks, keep = (
         torch.tensor([0, 3, 3, 9], dtype=torch.int32),
         torch.randn(4),
@@ -62,6 +63,7 @@ def _packed_and_rowwise_cases():
         "layer_norm": (lambda b: fusedattn.layer_norm(x, (40,), w, bias, backend=b),
                        (x, w, bias), ()),
         "rms_norm": (lambda b: fusedattn.rms_norm(x, (40,), w, backend=b), (x, w), ()),
+        "linear": (lambda b: fusedattn.linear(x, w2, bias[:7], backend=b), (x, w2, bias), ()),
         "softmax masked causal": (
             lambda b: fusedattn.softmax(x[:, :6], mask=keep, scale=0.5,
                                         is_causal=True, backend=b), (x,), (),

@@ -114,7 +114,7 @@ def test_available_backends_on_cpu(monkeypatch):
     report = backends.backend_report("cpu")
     assert set(report) == {
         "attention", "varlen_attention", "attention_with_kvcache", "layer_norm", "rms_norm",
-        "softmax",
+        "softmax", "linear",
     }  # fmt: skip
     assert report["attention"]["reference"] == [] and report["attention"]["torch"] == []
     assert report["softmax"]["triton"] == [] and report["layer_norm"]["triton"] == []

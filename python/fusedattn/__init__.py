@@ -11,13 +11,14 @@ Importing fusedattn never initialises CUDA and never imports triton.
 from . import masks, reference
 from ._version import __version__
 from .invariance import batch_invariant
-from .modules import LayerNorm, MultiheadAttention, RMSNorm, Softmax, swap_modules
+from .modules import LayerNorm, Linear, MultiheadAttention, RMSNorm, Softmax, swap_modules
 from .ops import (
     BackendUnavailableError,
     attention,
     attention_with_kvcache,
     available_backends,
     layer_norm,
+    linear,
     rms_norm,
     softmax,
     varlen_attention,
@@ -26,6 +27,7 @@ from .ops import (
 __all__ = [
     "BackendUnavailableError",
     "LayerNorm",
+    "Linear",
     "MultiheadAttention",
     "RMSNorm",
     "Softmax",
@@ -35,6 +37,7 @@ __all__ = [
     "available_backends",
     "batch_invariant",
     "layer_norm",
+    "linear",
     "masks",
     "reference",
     "rms_norm",

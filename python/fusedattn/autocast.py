@@ -2,8 +2,9 @@
 
 Autocast casts the inputs of torch's own ops in its dispatcher; fusedattn's functions are plain
 Python, so they apply the same casts themselves and every backend sees what the torch op would.
-Policies (read off torch: CUDA lists layer_norm and softmax as fp32 ops and SDPA as a
-lower-precision op; the CPU lists lower SDPA and leave layer_norm and softmax alone):
+Policies (read off torch: CUDA lists layer_norm and softmax as fp32 ops and SDPA and linear
+as lower-precision ops; the CPU lists lower SDPA and linear and leaves layer_norm and softmax
+alone):
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import torch
 
 FP32_OPS = {"cuda": frozenset({"layer_norm", "rms_norm", "softmax"})}
-LOWER_PRECISION_OPS = {"cuda": frozenset({"attention"}), "cpu": frozenset({"attention"})}
+LOWER_PRECISION_OPS = {
+    "cuda": frozenset({"attention", "linear"}),
+    "cpu": frozenset({"attention", "linear"}),
+}
 
 
 def autocast_target(op: str, device_type: str) -> torch.dtype | None:

@@ -490,6 +490,30 @@ def check_rms_norm_args(x, normalized_shape, weight, eps) -> tuple[tuple[int, ..
     return shape, float(eps)
 
 
+def check_linear_args(x, weight, bias) -> None:
+    """Validate `fusedattn.linear` (F.linear's contract): x (..., in_features), weight
+    (out_features, in_features), bias (out_features,) or None, one dtype and device."""
+    check_tensor("x", x)
+    check_float_dtype("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., in_features)")
+    check_tensor("weight", weight, dims=2, layout="(out_features, in_features)")
+    check_same("weight", weight, "x", x)
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"x of shape {shape_str(x.shape)} must end with in_features = {weight.shape[1]} "
+            f"(weight {shape_str(weight.shape)})"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, dims=1, layout="(out_features,)")
+        check_same("bias", bias, "x", x)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"bias must have out_features = {weight.shape[0]} elements, "
+                f"got {shape_str(bias.shape)}"
+            )
+
+
 def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
     """Validate `fusedattn.softmax`; returns `dim` made non-negative."""
     check_tensor("x", x)

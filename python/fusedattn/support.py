@@ -217,7 +217,12 @@ def _impl_refusals(op: str, backend: str, inputs: dict) -> list[str] | None:
 def _environment_reasons() -> set[str]:
     """Refusals that depend on this machine, not on the call: an extension built before an op
     existed (that it is not built at all is a device-level reason, never asked here)."""
-    return {r for op in backends.OPS for r in kernels.extension_op_refusals(op)}
+    return {
+        r
+        for op in backends.OPS
+        if "cuda" in backends._REGISTRY[op]  # linear has no CUDA C++ kernel to be built with
+        for r in kernels.extension_op_refusals(op)
+    }
 
 
 def feature_refusals(feature: Feature) -> dict[str, list[str] | None]:

@@ -8,6 +8,7 @@ from ..ops.core.backends import BACKENDS
 from ..reference import modules as naive
 from .attention import MultiheadAttention
 from .layernorm import LayerNorm
+from .linear import Linear
 from .rmsnorm import RMSNorm, is_hf_llama_rms_norm
 from .softmax import Softmax
 
@@ -18,12 +19,13 @@ REPLACED = {
     "layernorm": (nn.LayerNorm, naive.LayerNorm),
     "rmsnorm": (nn.RMSNorm, naive.RMSNorm),
     "softmax": (nn.Softmax, naive.Softmax),
+    "linear": (nn.Linear,),
 }
 
 
 BACKEND_NAMES = (*BACKENDS, "auto")
 FUSED = {"attention": MultiheadAttention, "layernorm": LayerNorm, "rmsnorm": RMSNorm,
-         "softmax": Softmax}  # fmt: skip
+         "softmax": Softmax, "linear": Linear}  # fmt: skip
 
 
 def _replacement(module, backend, wanted):
@@ -50,6 +52,7 @@ def swap_modules(
     layernorm=True,
     rmsnorm=True,
     softmax=True,
+    linear=False,
 ) -> nn.Module:
     """Replace, in place, every nn.MultiheadAttention, nn.LayerNorm, nn.RMSNorm and nn.Softmax
     (and their reference twins), and the RMSNorm of Hugging Face Llama-family models
@@ -62,6 +65,11 @@ def swap_modules(
     it is fused (it would hand nested tensors to the fused modules); the encoder-layer fast
     path is kept off by the fused modules themselves, so fusedattn's kernels run inside
     torch's transformer layers whichever families are swapped.
+
+    linear=True also replaces every nn.Linear (exact type) by fusedattn.Linear, holding the
+    same parameters (tied weights stay tied): F.linear while batch invariance is off, the
+    batch-invariant Triton matmul while it is on (docs/batch_invariance.md). Off by default:
+    it changes nothing else.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -70,7 +78,8 @@ def swap_modules(
         )
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    wanted = dict(attention=attention, layernorm=layernorm, rmsnorm=rmsnorm, softmax=softmax)
+    wanted = dict(attention=attention, layernorm=layernorm, rmsnorm=rmsnorm, softmax=softmax,
+                  linear=linear)  # fmt: skip
     root = _replacement(model, backend, wanted)
     if root is not None:
         return root

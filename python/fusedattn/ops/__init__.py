@@ -4,7 +4,7 @@ One package per op family, each laid out the same way, on two shared layers (an 
 "imports"; nothing imports upward, and no family imports another):
 
     ops/__init__.py           the public functions, re-exported
-      attention/  decode/  rowwise/          the op families
+      attention/  decode/  rowwise/  linear/  the op families
         api.py                public functions, dispatch, the backends' registration
         plans.py              eager calls' plans
         <name>_backend.py     one file per backend: reference, torch, triton, cuda
@@ -24,6 +24,7 @@ tests/test_import_graph.py holds the package to this, deferred imports included.
 from .attention.api import attention, varlen_attention
 from .core.backends import BackendUnavailableError, available_backends
 from .decode.api import attention_with_kvcache
+from .linear.api import linear
 from .rowwise.api import layer_norm, rms_norm, softmax
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "attention_with_kvcache",
     "available_backends",
     "layer_norm",
+    "linear",
     "rms_norm",
     "softmax",
     "varlen_attention",

@@ -1,7 +1,7 @@
 """Naive O(T²) twins of every fusedattn op, with the same signatures and semantics.
 
-`attention`, `varlen_attention`, `attention_with_kvcache`, `layer_norm`, `rms_norm` and
-`softmax` are the correctness references and the baseline the benchmarks beat;
+`attention`, `varlen_attention`, `attention_with_kvcache`, `layer_norm`, `rms_norm`,
+`softmax` and `linear` are the correctness references and the baseline the benchmarks beat;
 `modules` holds naive twins of the drop-in modules (torch's interfaces and state_dicts,
 computed by these ops) and `transformer` the reference model built from them.
 
@@ -14,6 +14,7 @@ from . import decode
 from .attention import attention, varlen_attention
 from .decode import attention_with_kvcache
 from .layernorm import layer_norm
+from .linear import linear
 from .rmsnorm import rms_norm
 from .softmax import softmax
 
@@ -22,6 +23,7 @@ __all__ = [
     "attention_with_kvcache",
     "decode",
     "layer_norm",
+    "linear",
     "rms_norm",
     "softmax",
     "varlen_attention",

@@ -30,6 +30,7 @@ OPS = (
     "layer_norm",
     "rms_norm",
     "softmax",
+    "linear",
 )
 
 # `auto`'s default order, by device and op, for calls the routing table (ops/core/auto.py, built

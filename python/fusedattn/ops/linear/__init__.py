@@ -1,0 +1,1 @@
+"""fusedattn.linear: the batch-invariant matmul of a decoder step's projections."""

@@ -1,0 +1,105 @@
+"""Compile fusedattn.linear's batch-invariant matmul (triton_kernels/matmul.py) for Hopper
+(sm_90) without a GPU and print what the compiler made of it: registers, spills, shared
+memory, whether the dots became wgmma, and the SASS of the K loop per iteration, at the tiles
+matmul_config gives each dtype (and candidates, --tiles), before any device minute is spent.
+
+    python scripts/static_matmul.py [--tool ../shared/tools/sm90_static.py] [--csv out.csv]
+        [--tiles 64x64x64w4s4,128x128x64w8s3]
+
+Cases: bf16 (the serving dtype), fp32 with exact products (TF32 off, torch's default) and
+with TF32 allowed. Each compiles in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import os
+
+from static_decode import _load_tool
+
+CASES = {"bf16": ("bfloat16", "tf32"), "fp32_ieee": ("float32", "ieee"),
+         "fp32_tf32": ("float32", "tf32")}  # fmt: skip
+
+
+def parse_tiles(text: str):
+    """'64x64x64w4s4' -> (block_m, block_n, block_k, warps, stages)."""
+    dims, rest = text.split("w")
+    warps, stages = rest.split("s")
+    return (*map(int, dims.split("x")), int(warps), int(stages))
+
+
+def compile_one(tool_path: str, case: str, tiles: str | None) -> dict:
+    tool = _load_tool(tool_path)
+    import torch
+
+    from fusedattn.triton_kernels import matmul as K
+
+    dtype, precision = CASES[case]
+    dtype = getattr(torch, dtype)
+    cfg = K.matmul_config(torch.empty(0, dtype=dtype).element_size())
+    bm, bn, bk, warps, stages = (
+        parse_tiles(tiles) if tiles
+        else (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    )  # fmt: skip
+    M, N, Kd = 64, 4096, 4096
+    a = torch.empty(M, Kd, dtype=dtype)
+    w = torch.empty(N, Kd, dtype=dtype)
+    c = torch.empty(M, N, dtype=dtype)
+    compiled = K.matmul_kernel.warmup(
+        a, w.t(), a, c, M, N, Kd, Kd, 1, 1, Kd, N, 1,
+        HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        PRECISION=precision, DOT_IN_FP32=False, num_warps=warps, num_stages=stages, grid=(1,),
+    )  # fmt: skip
+    row = dict(case=case, tiles=f"{bm}x{bn}x{bk}w{warps}s{stages}")
+    row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
+    row["loops"] = " | ".join(
+        f"{lp['instructions']} ins int {lp['int']} fp32 {lp['fp32']} "
+        f"mma {lp['HGMMA'] or lp['HMMA']} ldgsts {lp['LDGSTS']} local {lp['LDL+STL']}"
+        for lp in tool.loops(compiled)
+    )
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument(
+        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"of {','.join(CASES)}")
+    parser.add_argument(
+        "--tiles", default="", help="candidates MxNxKwWARPSsSTAGES, comma-separated"
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--csv", help="write the rows here too")
+    args = parser.parse_args(argv)
+    jobs = [
+        (case, t or None)
+        for case in args.cases.split(",")
+        for t in ["", *filter(None, args.tiles.split(","))]
+    ]
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(compile_one, args.tool, c, t): (c, t) for c, t in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                row = future.result()
+            except Exception as exc:  # report and go on
+                row = dict(case=futures[future][0], tiles=futures[future][1], error=repr(exc)[:300])
+            rows.append(row)
+            print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.csv:
+        fields = list(dict.fromkeys(k for r in rows for k in r))
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
