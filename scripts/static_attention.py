@@ -249,6 +249,22 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
+def run_screen(compile_one, jobs: list[tuple], workers: int, error_row) -> list[dict]:
+    """compile_one(*job) for every job in a pool of processes, each row printed as it comes;
+    a job that raises gives error_row(job) with the error, and the screen goes on."""
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(compile_one, *job): job for job in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                row = future.result()
+            except Exception as exc:  # report and go on: one bad candidate must not stop a screen
+                row = error_row(futures[future]) | dict(error=repr(exc)[:300])
+            rows.append(row)
+            print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,18 +286,10 @@ def main(argv=None) -> int:
         for kernel in args.kernels.split(","):
             mine = [t for k, t in args.tiles if k == kernel] or [None]
             jobs += [(args.tool, variant, kernel, t, args.head_dim) for t in mine]
-    rows = []
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(compile_one, *job): job for job in jobs}
-        for future in concurrent.futures.as_completed(futures):
-            job = futures[future]
-            try:
-                row = future.result()
-            except Exception as exc:  # report and go on: one bad candidate must not stop a screen
-                tiles = job[3].spec if job[3] else "shipped"
-                row = dict(variant=job[1], kernel=job[2], tiles=tiles, error=repr(exc)[:300])
-            rows.append(row)
-            print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    rows = run_screen(
+        compile_one, jobs, args.jobs,
+        lambda job: dict(variant=job[1], kernel=job[2], tiles=job[3].spec if job[3] else "shipped"),
+    )  # fmt: skip
     if args.csv:
         write_csv(rows, args.csv)
     return 1 if any("error" in r for r in rows) else 0

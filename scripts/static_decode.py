@@ -157,12 +157,17 @@ def compile_one(tool_path: str, name: str) -> dict:
     row["loads"] = "; ".join(
         f"{k} x{v}" for k, v in sorted(load_widths(compiled.asm["ptx"]).items())
     )
-    row["loops"] = " | ".join(
+    row["loops"] = loop_summary(tool, compiled)
+    return row
+
+
+def loop_summary(tool, compiled) -> str:
+    """The instruction mix of each innermost SASS loop holding matrix instructions."""
+    return " | ".join(
         f"{lp['instructions']} ins int {lp['int']} fp32 {lp['fp32']} mufu {lp['MUFU']} "
         f"mma {lp['HGMMA'] or lp['HMMA']} ldgsts {lp['LDGSTS']} local {lp['LDL+STL']}"
         for lp in tool.loops(compiled)
     )
-    return row
 
 
 def main(argv=None) -> int:

@@ -13,11 +13,10 @@ with TF32 allowed. Each compiles in its own process.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import csv
 import os
 
-from static_decode import _load_tool
+from static_attention import run_screen, write_csv
+from static_decode import _load_tool, loop_summary
 
 CASES = {"bf16": ("bfloat16", "tf32"), "fp32_ieee": ("float32", "ieee"),
          "fp32_tf32": ("float32", "tf32")}  # fmt: skip
@@ -54,11 +53,7 @@ def compile_one(tool_path: str, case: str, tiles: str | None) -> dict:
     )  # fmt: skip
     row = dict(case=case, tiles=f"{bm}x{bn}x{bk}w{warps}s{stages}")
     row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
-    row["loops"] = " | ".join(
-        f"{lp['instructions']} ins int {lp['int']} fp32 {lp['fp32']} "
-        f"mma {lp['HGMMA'] or lp['HMMA']} ldgsts {lp['LDGSTS']} local {lp['LDL+STL']}"
-        for lp in tool.loops(compiled)
-    )
+    row["loops"] = loop_summary(tool, compiled)
     return row
 
 
@@ -78,26 +73,13 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", help="write the rows here too")
     args = parser.parse_args(argv)
     jobs = [
-        (case, t or None)
+        (args.tool, case, t or None)
         for case in args.cases.split(",")
         for t in ["", *filter(None, args.tiles.split(","))]
     ]
-    rows = []
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(compile_one, args.tool, c, t): (c, t) for c, t in jobs}
-        for future in concurrent.futures.as_completed(futures):
-            try:
-                row = future.result()
-            except Exception as exc:  # report and go on
-                row = dict(case=futures[future][0], tiles=futures[future][1], error=repr(exc)[:300])
-            rows.append(row)
-            print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    rows = run_screen(compile_one, jobs, args.jobs, lambda job: dict(case=job[1], tiles=job[2]))
     if args.csv:
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, args.csv)
     return 1 if any("error" in r for r in rows) else 0
 
 
