@@ -65,7 +65,10 @@ def linear(
     if not tracing():  # an eager call of known metadata: its plan
         try:
             if not torch.is_autocast_enabled(x.device.type):
-                key = (meta(x), meta(weight), meta(bias), backend, *process_state(x, backend))
+                key = (
+                    meta(x), meta(weight), meta(bias), backend, *process_state(x, backend),
+                    torch.backends.cuda.matmul.allow_tf32,  # fp32's dot precision (dot_flags)
+                )  # fmt: skip
         except (AttributeError, TypeError, RuntimeError):  # not tensors: the checks name them
             key = None
         plan = PLANS.get(key)
