@@ -70,10 +70,17 @@ CASES = {
 
 
 # no interior tile for each case on a GPU; in the interpreter for the plain case only (the
-# rotated loop is then not entered: what the variants change is inside it)
+# rotated loop is then not entered: what the variants change is inside it). The variants
+# through three interior tiles are `slow` (42 s of one CPU worker, dropout 15 s of it): make
+# test runs them, the edit loop (test-fast) keeps the plain case's laps.
 @pytest.mark.parametrize(
     ("case", "tiles"),
-    [(c, t) for c in CASES for t in (0, 3) if t or GPU or c == "plain"],
+    [
+        pytest.param(c, t, marks=[pytest.mark.slow] if t and c != "plain" else [])
+        for c in CASES
+        for t in (0, 3)
+        if t or GPU or c == "plain"
+    ],
 )
 def test_rotated_loops_equal_the_plain_loops(monkeypatch, case, tiles):
     """Tq and Tk of `tiles` whole tiles plus a cut one: the interior loops run no tile or 3
