@@ -45,12 +45,21 @@ def test_triton_kx(lead, in_f, out_f, bias, dtype):
 
 @kernels
 @pytest.mark.usefixtures("kernel_device")
-def test_strided_input_and_weight():
-    """x a transposed view and the weight a slice: read through their strides."""
+def test_strided_input_weight_and_bias():
+    """x a transposed view, the weight and the bias slices: read through their strides (the
+    bias copied to a unit stride), eager, planned and with autograd."""
     x = torch.randn(40, 6, 3).transpose(0, 2)  # (3, 6, 40), last stride 18
     w = torch.randn(50, 80)[:, ::2]  # (50, 40), stride (80, 2)
-    torch.testing.assert_close(fusedattn.linear(x, w, backend="triton"), x @ w.t(),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    b = torch.randn(100)[::2]  # stride 2
+    want = x @ w.t() + b
+    for _ in range(2):  # the full path, then the plan
+        got = fusedattn.linear(x, w, b, backend="triton")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    b.requires_grad_()
+    got = fusedattn.linear(x, w, b, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    torch.testing.assert_close(b.grad, torch.full((50,), 18.0))
 
 
 @kernels

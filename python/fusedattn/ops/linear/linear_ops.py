@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..core import triton_launch
-from ..core.kernels import dot_flags, kernels
+from ..core.kernels import dense_params, dot_flags, kernels
 from ..core.plans import tracing
 
 
@@ -53,7 +53,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def forward(x, weight, bias):
     """y = x @ weight^T (+ bias), shaped (..., out_features)."""
-    y = _matmul(_rows(x), weight.t(), bias, x.dtype)
+    y = _matmul(_rows(x), weight.t(), dense_params(bias), x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -109,7 +109,7 @@ class TritonLinearForward:
         self._launch = None
 
     def __call__(self, x, weight, bias):
-        rows, b = _rows(x), weight.t()
+        rows, b, bias = _rows(x), weight.t(), dense_params(bias)
         y = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         if y.numel():
             operands = (rows, b, rows if bias is None else bias, y)
