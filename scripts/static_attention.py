@@ -249,6 +249,21 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
+def screen_parser(doc: str) -> argparse.ArgumentParser:
+    """The screens' common options: --tool (the sm90_static tool, ../shared/tools by default),
+    --jobs (processes compiling at once) and --csv (write the rows there too)."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument(
+        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--csv", help="write the rows here too")
+    return parser
+
+
 def run_screen(compile_one, jobs: list[tuple], workers: int, error_row) -> list[dict]:
     """compile_one(*job) for every job in a pool of processes, each row printed as it comes;
     a job that raises gives error_row(job) with the error, and the screen goes on."""
@@ -266,20 +281,12 @@ def run_screen(compile_one, jobs: list[tuple], workers: int, error_row) -> list[
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument(
-        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
-    )
+    parser = screen_parser(__doc__)
     parser.add_argument("--variants", default="plain,causal", help=f"of {','.join(VARIANTS)}")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--tiles", type=parse_tiles, action="append", default=[],
                         help="KERNEL=BMxBNwWsS, repeatable; default: the shipped tiles")  # fmt: skip
-    parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--head-dim", type=int, default=D, help="D = Dv")
-    parser.add_argument("--csv", help="write the rows here too")
     args = parser.parse_args(argv)
     jobs = []
     for variant in args.variants.split(","):

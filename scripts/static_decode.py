@@ -16,13 +16,13 @@ paged (page 16 and 256), Tq 1 and 4, one split (output written by the kernel) or
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import csv
 import importlib.util
-import os
 import re
 import sys
+
+from static_attention import screen_parser
 
 HQ, HKV, D, S = 32, 8, 128, 32768
 CASES = {
@@ -171,16 +171,8 @@ def loop_summary(tool, compiled) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument(
-        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
-    )
+    parser = screen_parser(__doc__)
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {','.join(CASES)}")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count())
-    parser.add_argument("--csv", help="write the rows here too")
     args = parser.parse_args(argv)
     rows = []
     names = args.cases.split(",")

@@ -12,10 +12,7 @@ with TF32 allowed. Each compiles in its own process.
 
 from __future__ import annotations
 
-import argparse
-import os
-
-from static_attention import run_screen, write_csv
+from static_attention import run_screen, screen_parser, write_csv
 from static_decode import _load_tool, loop_summary
 
 CASES = {"bf16": ("bfloat16", "tf32"), "fp32_ieee": ("float32", "ieee"),
@@ -58,19 +55,11 @@ def compile_one(tool_path: str, case: str, tiles: str | None) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument(
-        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
-    )
+    parser = screen_parser(__doc__)
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {','.join(CASES)}")
     parser.add_argument(
         "--tiles", default="", help="candidates MxNxKwWARPSsSTAGES, comma-separated"
     )
-    parser.add_argument("--jobs", type=int, default=os.cpu_count())
-    parser.add_argument("--csv", help="write the rows here too")
     args = parser.parse_args(argv)
     jobs = [
         (args.tool, case, t or None)

@@ -17,7 +17,6 @@ bf16 rows.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import os
@@ -26,7 +25,7 @@ import sys
 import tempfile
 
 # the sibling screens: the same tool loading and SASS reading
-from static_attention import _load_tool, write_csv
+from static_attention import _load_tool, screen_parser, write_csv
 from static_cuda_attention import loops, sass_functions
 
 KERNELS = ("layernorm_fwd", "rmsnorm_fwd", "layernorm_bwd", "softmax_fwd", "softmax_bwd")
@@ -97,18 +96,10 @@ def compile_one(tool_path: str, kernel: str, n: int, warps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument(
-        "--tool", default=os.path.join(here, "..", "..", "shared", "tools", "sm90_static.py")
-    )
+    parser = screen_parser(__doc__)
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--n", default="1024,4096,8192,32768")
     parser.add_argument("--warps", default="4,8,16")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count())
-    parser.add_argument("--csv")
     args = parser.parse_args(argv)
     jobs = [(args.tool, k, int(n), int(w)) for k in args.kernels.split(",")
             for n in args.n.split(",") for w in args.warps.split(",")]  # fmt: skip

@@ -528,12 +528,14 @@ def test_tune_decode_times_each_split_count_and_checks_it_against_the_chosen_one
     assert all(r["max_abs_diff"] < 1e-5 and r["ms"] > 0 for r in rows)
 
 
-def test_static_decode_screen_lays_out_the_kernels_parameters():
+def test_static_decode_screen_lays_out_the_kernels_parameters(monkeypatch):
     """scripts/static_decode.py builds attention_decode's arguments by hand: each case binds to
     the kernel's signature (it once missed a parameter added later and screened nothing)."""
     import inspect
 
     from fusedattn.triton_kernels import decode as K
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its sibling screens, as when run
 
     spec = importlib.util.spec_from_file_location(
         "static_decode", ROOT / "scripts" / "static_decode.py"
