@@ -102,15 +102,7 @@ def attention(
     """
     plan_key = None
     fp8 = q_descale is not None or out_dtype is not None
-    if block_mask is not None:
-        return _block_mask_call(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-            return_lse=return_lse, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, out_dtype=out_dtype, block_mask=block_mask, backend=backend,
-        )  # fmt: skip
-    if not tracing():  # an eager call of known metadata: its plan
+    if block_mask is None and not tracing():  # an eager call of known metadata: its plan
         plan_key = plans.key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              key_padding_mask, window_size, softcap, alibi_slopes, sinks,
                              causal_alignment, return_lse, backend)  # fmt: skip
@@ -127,6 +119,8 @@ def attention(
         return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         out_dtype=out_dtype,
     )  # fmt: skip
+    if block_mask is not None:  # no plans: the mask's tensors are the call's
+        return _block_mask_call(inputs, shift, block_mask, backend, return_lse)
     impl = backends.select("attention", backend, q.device, inputs)
     if plan_key is not None:
         plan = plans.AttentionPlan(impl, inputs)
@@ -135,20 +129,9 @@ def attention(
     return _shifted(impl.run(**inputs), shift, return_lse)
 
 
-def _block_mask_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
-                     key_padding_mask, window_size, softcap, alibi_slopes, sinks,
-                     causal_alignment, return_lse, q_descale, k_descale, v_descale, out_dtype,
-                     block_mask, backend):  # fmt: skip
-    """attention() with a block mask: checked, then the Triton kernels' block-sparse loops, or
-    the dense mask on the reference and torch backends (no plans: the mask's tensors are the
-    call's)."""
-    inputs, shift = _checked_inputs(
-        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-        return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-        out_dtype=out_dtype,
-    )  # fmt: skip
+def _block_mask_call(inputs, shift, block_mask, backend, return_lse):
+    """attention() with a block mask, its arguments checked (_checked_inputs): the Triton
+    kernels' block-sparse loops, or the dense mask on the reference and torch backends."""
     q = inputs["q"]
     bm = check_block_mask(block_mask, q, inputs["k"])
     if backend == "cuda":
