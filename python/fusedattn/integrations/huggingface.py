@@ -200,11 +200,7 @@ def _is_decode_step(query, key, value, attention_mask, dropout, s_aux, backend) 
     tensors = (query, key, value, s_aux)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
-    if attention_mask is not None and (
-        attention_mask.dtype != torch.bool
-        or attention_mask.dim() != 4
-        or attention_mask.shape[-1] != key.shape[2]  # a mask that is not one per cache slot
-    ):
+    if not _mask_per_key(attention_mask, key):
         return False
     name = backends.resolve_backend_name(backend)
     if name == "auto":
@@ -227,6 +223,12 @@ def _invariant_prefill(
     tensors = (query, key, value, s_aux)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
+    return _mask_per_key(attention_mask, key)
+
+
+def _mask_per_key(attention_mask, key) -> bool:
+    """No mask, or a bool (B, H, Tq, S) one per cache slot: what the decode kernel reads a
+    sequence's visible keys from (a float mask, or one of another length, is not)."""
     return attention_mask is None or (
         attention_mask.dtype == torch.bool and attention_mask.dim() == 4
         and attention_mask.shape[-1] == key.shape[2]
