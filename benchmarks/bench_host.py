@@ -251,6 +251,9 @@ def run(args) -> list[dict]:
     # would run them): on a CPU without --sm90-tool, attention alone.
     every_op = device.type == "cuda" or bool(args.sm90_tool)
     for op, call, leaves, fields in cases(fusedattn, device, dtype, every_op):
+        impl = fields.pop("impl", "fusedattn-triton")
+        if getattr(args, "impl", None) and impl not in args.impl:
+            continue
         out = call()
         grad = torch.randn_like(out) if leaves else None
 
@@ -268,11 +271,12 @@ def run(args) -> list[dict]:
         for mode, fn in modes:
             us, spread = host_us(fn, sync=sync)
             row = harness.make_row(
-                env, op=op, mode=mode, impl="fusedattn-triton" + args.label,
+                env, op=op, mode=mode, impl=impl + args.label,
                 dtype=str(dtype)[6:], host_us=us,
                 note=f"{note}; spread {spread:.0%}" + harness.noisy(spread), **fields,
             )  # fmt: skip
-            print(f"  host {op:<10} {mode:<8} {fields} {us:8.1f} µs/call  ({row['note']})")
+            print(f"  host {op:<10} {impl:<17} {mode:<8} {fields} {us:8.1f} µs/call  "
+                  f"({row['note']})")  # fmt: skip
             rows.append(row)
     return rows
 
@@ -289,6 +293,7 @@ def cases(fusedattn, device, dtype, every_op: bool):
             (q, k, v),
             dict(B=B, H=H, Tq=T, Tk=T, D=D, causal=causal),
         )
+    yield from torch_key_padding_cases(fusedattn, device, dtype)
     if not every_op:
         return
     M, N = ROWS
@@ -347,11 +352,45 @@ def cases(fusedattn, device, dtype, every_op: bool):
         )
 
 
+def torch_key_padding_cases(fusedattn, device, dtype):
+    """Key padding on the torch backend (issue #82: a padded key's content never reaches the
+    output) beside the direct SDPA call a user writes: right padding (one SDPA call per run
+    of equal key ranges, on views) and a hole (K and V copied with the padded rows zeroed).
+    SDPA itself runs here, at tiny shapes, so the rows hold its time too."""
+    B, T = 2, SHAPE[2]
+    q, k, v = (
+        torch.randn(B, SHAPE[1], T, SHAPE[3], device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )  # fmt: skip
+    fields = dict(B=B, H=SHAPE[1], Tq=T, Tk=T, D=SHAPE[3], causal=False)
+    for name in ("right", "hole"):
+        pad = torch.zeros(B, T, dtype=torch.bool, device=device)
+        pad[1, T // 2 :] = name == "right"
+        pad[1, T // 4 : T // 2] = name == "hole"
+        keep = ~pad[:, None, None, :]
+        yield (
+            "attention",
+            lambda p=pad: fusedattn.attention(q, k, v, key_padding_mask=p, backend="torch"),
+            (q, k, v),
+            dict(fields, mask=f"key_padding:{name}", impl="fusedattn-torch"),
+        )
+        yield (
+            "attention",
+            lambda m=keep: torch.nn.functional.scaled_dot_product_attention(q, k, v, m),
+            (q, k, v),
+            dict(fields, mask=f"key_padding:{name}", impl="sdpa"),
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sm90-tool", help="sm90_static.py: compile for sm_90, stub the launch")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--label", default="", help="appended to the impl column (a checkout)")
+    parser.add_argument(
+        "--impl", nargs="*", default=None,
+        help="only these impls' rows (fusedattn-triton, fusedattn-torch, sdpa)",
+    )  # fmt: skip
     parser.add_argument(
         "--check-launches", action="store_true",
         help="with --sm90-tool: check the launch cache hands Triton's launcher the arguments "

@@ -264,19 +264,38 @@ def test_triton_varlen_bf16():
     check_varlen("triton", torch.bfloat16, VARLEN_VARIANTS["everything"])
 
 
-@kernels
-def test_varlen_lse_layout_and_sequences_never_read_each_other():
+@pytest.mark.parametrize(
+    "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
+)
+def test_varlen_lse_layout_and_sequences_never_read_each_other(backend):
+    """NaN in the third sequence's keys and +inf in its values: every other sequence's rows,
+    lse and gradients are finite and those of the clean call (the torch backend's padded
+    gather once handed them to the sequence before it, issue #82)."""
     q, k, v, cu_q, cu_k = packed(*LENGTHS, 4, 2, 16, 24, torch.float32)
     kp, vp = k.clone(), v.clone()
     kp[cu_k[2] : cu_k[3]] = float("nan")  # the third sequence's keys
-    vp[cu_k[2] : cu_k[3]] = float("nan")
+    vp[cu_k[2] : cu_k[3]] = float("inf")
     args = (cu_q, cu_k, max(LENGTHS[0]), max(LENGTHS[1]), 0.0, False, None, True)
-    out, lse = fusedattn.varlen_attention(q, kp, vp, *args, return_lse=True, backend="triton")
     others = torch.cat([torch.arange(cu_q[2]), torch.arange(cu_q[3], cu_q[-1])])
-    assert torch.isfinite(out[others]).all() and lse.shape == (4, cu_q[-1])
-    _, want = reference.varlen_attention(q.double(), k.double(), v.double(), *args,
-                                         return_lse=True)  # fmt: skip
-    torch.testing.assert_close(lse[:, others], want[:, others], rtol=1e-5, atol=1e-5)
+    kw = dict(backend=backend, return_lse=backend != "torch")  # SDPA returns no lse
+
+    def run(k, v):
+        leaf = q.clone().requires_grad_()
+        got = fusedattn.varlen_attention(leaf, k, v, *args, **kw)
+        out, lse = got if kw["return_lse"] else (got, None)
+        (dq,) = torch.autograd.grad(out[others].sum(), leaf)
+        return out[others], None if lse is None else lse[:, others], dq[others]
+
+    for name, a, b in zip(("out", "lse", "dq"), run(k, v), run(kp, vp), strict=True):
+        if a is not None:  # a sequence with no keys has lse -inf
+            assert not b.isnan().any() and (b < float("inf")).all(), name
+            torch.testing.assert_close(b, a, msg=name)
+    if kw["return_lse"]:
+        _, lse = fusedattn.varlen_attention(q, kp, vp, *args, **kw)
+        _, want = reference.varlen_attention(q.double(), k.double(), v.double(), *args,
+                                             return_lse=True)  # fmt: skip
+        assert lse.shape == (4, cu_q[-1])
+        torch.testing.assert_close(lse[:, others], want[:, others], rtol=1e-5, atol=1e-5)
 
 
 # ---- dropout with a window and sinks: the same mask forward and backward ----------------------
@@ -554,35 +573,50 @@ def test_key_padding_patterns_across_whole_and_cut_tiles(pattern, causal):
                  kwargs=kwargs)  # fmt: skip
 
 
+@pytest.mark.parametrize("pattern", ["holes", "runs"])
 @pytest.mark.parametrize(
     "backend",
-    ["reference", pytest.param("triton", marks=pytest.mark.kernels),
+    ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels),
      pytest.param("cuda", marks=pytest.mark.gpu)],
 )  # fmt: skip
-def test_nan_in_padded_keys_reaches_no_output_or_gradient(backend, device):
-    """A padded key never contributes, even a NaN in its key or value: the output and every
-    gradient are those of the same call with finite padded keys (the Triton dQ kernel and the
-    reference once multiplied dS = 0 by the NaN key). The torch backend masks as SDPA does
-    and does not copy K and V to clear them (docs/backends.md; test_torch_backend)."""
-    s = AttentionShape(2, 2, 2, 33, 70, 16, 16)
+def test_nan_and_inf_in_padded_keys_reach_no_output_or_gradient(backend, pattern, device):
+    """A padded key never contributes, whatever it holds: with NaN in every padded key and
+    +inf in every padded value, the output and every gradient are those of the same call
+    with finite padded keys (the Triton dQ kernel and the reference once multiplied dS = 0 by
+    the NaN key; the torch backend let SDPA add -inf to a NaN score, issue #82). "runs":
+    right and left padding and a sequence of padding only (the torch backend's views);
+    "holes": padding inside a sequence (its zeroed copy). With a causal window and a float
+    mask whose gradient is taken, so every mask path meets the padding."""
+    s = AttentionShape(3, 2, 2, 33, 70, 16, 16)
     dtype = torch.bfloat16 if backend == "cuda" else torch.float32
     q, k, v = make_qkv(s, dtype, device)
-    kpm = torch.zeros(2, 70, dtype=torch.bool, device=device)
+    kpm = torch.zeros(3, 70, dtype=torch.bool, device=device)
     kpm[0, 50:] = True
     kpm[1, :9] = True
-    kpm[1, 30:34] = True
+    if pattern == "holes":
+        kpm[1, 30:34] = True
+    else:
+        kpm[2] = True
+    bias = torch.randn(1, 2, 33, 70, dtype=dtype, device=device)
+    kwargs = dict(key_padding_mask=kpm, backend=backend, window_size=(40, 0), is_causal=True,
+                  causal_alignment="bottom_right")  # fmt: skip
+    if backend == "cuda":  # the CUDA kernels take no window or float mask
+        kwargs.pop("window_size")
+        bias = None
 
     def run(k, v):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fusedattn.attention(*leaves, key_padding_mask=kpm, backend=backend)
+        if bias is not None:
+            leaves.append(bias.clone().requires_grad_())
+        out = fusedattn.attention(*leaves[:3], *leaves[3:], **kwargs)
         return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
 
     poison = kpm[:, None, :, None].expand_as(k)
     clean = run(k, v)
-    poisoned = run(k.masked_fill(poison, float("nan")), v.masked_fill(poison, float("nan")))
+    poisoned = run(k.masked_fill(poison, float("nan")), v.masked_fill(poison, float("inf")))
     # fusedattn's kernels are deterministic: bit for bit; SDPA's GPU backwards may not be
     exact = dict(rtol=0, atol=0) if backend != "torch" else {}
-    for name, a, b in zip(("out", "dq", "dk", "dv"), clean, poisoned, strict=True):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), clean, poisoned, strict=True):
         assert torch.isfinite(b).all(), name
         torch.testing.assert_close(b, a, **exact, msg=name)
 

@@ -341,3 +341,32 @@ def test_a_position_bias_without_a_mask_keeps_the_call_causal():
         q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf"))
     )
     torch.testing.assert_close(got, want.transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.kernels)]
+)
+@pytest.mark.parametrize(
+    "cls,config,side",
+    [("BertForMaskedLM", bert_config, "right"), ("MistralForCausalLM", mistral_config, "left")],
+    ids=["bert-right", "mistral-left"],
+)
+def test_nan_in_padded_tokens_never_reaches_the_real_ones(cls, config, side, backend):
+    """The pad token's embedding is NaN, so every padded position's key and value are NaN in
+    every layer: the real positions' logits are finite and those of a finite pad embedding
+    (HF's bool mask alone excludes by adding -inf, and NaN + -inf is NaN: the hook hands the
+    keys no query sees to the kernels as key padding, issue #82)."""
+    torch.manual_seed(0)
+    clean = build(getattr(transformers, cls), config(), f"fusedattn-{backend}")
+    poisoned = build(getattr(transformers, cls), config(), f"fusedattn-{backend}",
+                     clean.state_dict())  # fmt: skip
+    with torch.no_grad():
+        poisoned.get_input_embeddings().weight[0] = float("nan")
+    ids, mask = padded_batch(side=side)
+    ids = ids.masked_fill(mask == 0, 0)
+    real = mask.bool()
+    with torch.no_grad():  # token 0's logit is NaN where the head is tied to the embedding
+        want = clean(input_ids=ids, attention_mask=mask).logits[real][:, 1:]
+        got = poisoned(input_ids=ids, attention_mask=mask).logits[real][:, 1:]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)

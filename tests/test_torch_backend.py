@@ -218,15 +218,34 @@ class AtenOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
-def test_key_padding_adds_little_around_a_direct_sdpa_call(train):
-    """A key-padding call on the torch backend runs what a user's direct
-    `F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])` runs, plus at
-    most 4 ops (none writing a K-sized tensor) in inference and one output-sized pass when a
-    backward is recorded (it zeroes rows that see no key). It copied K and V on every call."""
-    B, H, T, D = 2, 4, 64, 32
+def test_key_padding_runs_sdpa_on_views_of_each_sequences_keys(train):
+    """Right and left padding: one SDPA call per run of sequences with the same key range, on
+    views of their keys (no mask at all, nothing K-sized written), and one output-sized cat.
+    The copy of K and V that clears padded rows is left to masks with holes (next test)."""
+    B, H, T, D = 4, 4, 64, 32
     q, k, v = (torch.randn(B, T, H, D).transpose(1, 2).requires_grad_(train) for _ in range(3))
     pad = torch.zeros(B, T, dtype=torch.bool)
-    pad[1, 40:] = True
+    pad[1, 40:] = pad[2, 40:] = True  # sequences 1 and 2 share one call
+    pad[3, :5] = True
+    with AtenOps() as ours:
+        out = fusedattn.attention(q, k, v, key_padding_mask=pad, backend="torch")
+    names = [name for name, _ in ours.ops]
+    sdpa_calls = [n for n in names if n.startswith("_scaled_dot_product")]
+    assert len(sdpa_calls) == 3, ours.ops
+    others = [op for op in ours.ops if not op[0].startswith("_scaled_dot_product")]
+    assert others == [("cat.default", out.numel())], ours.ops
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
+    torch.testing.assert_close(out, want)
+
+
+def test_key_padding_with_holes_zeroes_padded_keys_in_a_copy():
+    """A sequence whose real keys have a hole cannot be one view: K and V are copied with
+    their padded rows zeroed (two K/V-sized writes), then one masked SDPA call as a user
+    writes it."""
+    B, H, T, D = 2, 4, 64, 32
+    q, k, v = (torch.randn(B, T, H, D).transpose(1, 2) for _ in range(3))
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, 20:30] = True
     with AtenOps() as direct:
         F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
     with AtenOps() as ours:
@@ -235,29 +254,26 @@ def test_key_padding_adds_little_around_a_direct_sdpa_call(train):
     for op in direct.ops:
         assert op in added, f"the direct call's {op} is missing: {ours.ops}"
         added.remove(op)
-    big = [op for op in added if op[1] >= k.numel()]
-    if train:
-        assert len(big) <= 1 and all(size == q.numel() for _, size in big), added
+    assert sorted(added) == [("masked_fill.Scalar", k.numel())] * 2, added
+
+
+@pytest.mark.parametrize("pattern", ["right", "left", "hole", "all"])
+def test_key_ranges_of_each_padding_pattern(pattern):
+    from fusedattn.ops.shared.sdpa import key_ranges
+
+    pad = torch.zeros(3, 10, dtype=torch.bool)
+    if pattern == "right":
+        pad[1:, 7:] = True
+        assert key_ranges(pad) == [(0, 1, 0, 10), (1, 3, 0, 7)]
+    elif pattern == "left":
+        pad[0, :3] = True
+        assert key_ranges(pad) == [(0, 1, 3, 10), (1, 3, 0, 10)]
+    elif pattern == "hole":
+        pad[2, 4:6] = True
+        assert key_ranges(pad) is None
     else:
-        assert len(added) <= 4 and not big, added
-
-
-def test_padded_keys_are_masked_as_sdpa_masks_them():
-    """Documented limit (docs/backends.md): the torch backend does not copy K and V to zero
-    the padded rows, so its outputs are SDPA's with the padding mask; a padded key with
-    finite values never changes an output. (A NaN there reaches the output, as in SDPA; the
-    reference and the kernels never read the padded rows: test_attention_variants.)"""
-    s = AttentionShape(B=2, Hq=2, Hkv=2, Tq=6, Tk=6, D=8, Dv=8)
-    q, k, v = make_qkv(s, torch.float32, "cpu")
-    kpm = torch.zeros(2, 6, dtype=torch.bool)
-    kpm[:, 4:] = True
-    kn, vn = k.clone(), v.clone()
-    kn[:, :, 4], vn[:, :, 5] = 1e4, -1e4
-    got = fusedattn.attention(q, kn, vn, key_padding_mask=kpm, backend="torch")
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got, fusedattn.attention(q, k, v, key_padding_mask=kpm,
-                                                        backend="torch"))  # fmt: skip
+        pad[1] = True
+        assert key_ranges(pad) == [(0, 1, 0, 10), (1, 2, 0, 0), (2, 3, 0, 10)]
 
 
 @pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])

@@ -168,9 +168,23 @@ def attention_forward(
     out = attention(
         query, key, value, attention_mask, dropout_p=dropout, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1], window_size=window,
-        causal_alignment="bottom_right", **variants,
+        causal_alignment="bottom_right", key_padding_mask=_padded_keys(attention_mask, key),
+        **variants,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def _padded_keys(attention_mask, key) -> torch.Tensor | None:
+    """The keys no query of a sequence sees in HF's bool (B, 1, Tq, Tk) mask (its padding), as
+    a key_padding_mask: a padded token's key and value then never reach the output, NaN or
+    inf included, on every backend (a dense mask alone excludes by adding -inf, and NaN + -inf
+    is NaN), and the kernels skip its tiles. One pass over the mask, on the device."""
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return None
+    if attention_mask.shape[-1] != key.shape[2]:
+        return None
+    seen = attention_mask.any(dim=2).any(dim=1)  # (B or 1, Tk)
+    return (~seen).expand(key.shape[0], key.shape[2])
 
 
 def _fp8_cache(query, key, value, k_descale, v_descale):

@@ -79,10 +79,11 @@ def varlen_attention(
     if k_descale is not None:  # fp8: dequantized per sequence and head, computed in float32
         qd = qd.float() if q_descale is None else dequantize_heads(qd, q_descale)
         kd, vd = dequantize_heads(kd, k_descale), dequantize_heads(vd, v_descale)
-    if block_table is not None:  # positions past a sequence read whatever their page holds
-        # (NaN in an empty cache): zeroed in the gathered copy, so a masked key adds exactly 0
-        past = (torch.arange(max_seqlen_k, device=q.device) >= lens_k[:, None])[:, None, :, None]
-        kd, vd = kd.masked_fill(past, 0.0), vd.masked_fill(past, 0.0)
+    # Positions past a sequence gather another sequence's rows, the slack rows after the
+    # last one, or whatever a page holds (NaN in an empty cache): zeroed in the gathered copy
+    # (in place: it is ours), so a masked key adds exactly 0 (SDPA adds -inf to its score).
+    past = (torch.arange(max_seqlen_k, device=q.device) >= lens_k[:, None])[:, None, :, None]
+    kd, vd = kd.masked_fill_(past, 0.0), vd.masked_fill_(past, 0.0)
     i = torch.arange(max_seqlen_q, device=q.device)[None, :, None]
     j = torch.arange(max_seqlen_k, device=q.device)[None, None, :]
     p = i + (lens_k - lens_q)[:, None, None] if window.bottom_right else i  # query positions
