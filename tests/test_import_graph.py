@@ -153,3 +153,20 @@ def test_the_graph_walker_sees_deferred_imports():
     modules = {"fusedattn.masks", "fusedattn.checks", "fusedattn.probe"}
     found = set(imports_in(source, "fusedattn.probe", "fusedattn", modules))
     assert found == {("fusedattn.masks", False), ("fusedattn.checks", True)}
+
+
+KERNELS = PACKAGE.parents[1] / "triton_kernels"  # installed as fusedattn.triton_kernels
+
+
+def test_the_kernel_files_import_one_way():
+    """triton_kernels/ has no circle either (attention.py and attention_blocks.py imported
+    each other; the tile loops both call now live in attention_loops.py, issue #82)."""
+    paths = {f"fusedattn.triton_kernels.{p.stem}": p for p in KERNELS.glob("*.py")}
+    graph = {
+        name: {t for t, _ in imports_in(path.read_text(encoding="utf-8"), name,
+                                        "fusedattn.triton_kernels", set(paths))}
+        for name, path in paths.items()
+    }  # fmt: skip
+    assert "fusedattn.triton_kernels.attention_loops" in graph["fusedattn.triton_kernels.attention"]
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)

@@ -14,7 +14,7 @@ b and h strides are 0 where the mask broadcasts (built with B or H None). Partia
 bits are BITS[p] (BS_Q rows of BS_K / 32 int32 words; key j of row i is bit j % 32 of word
 j // 32), read through _mask_tile's packed mode. Full blocks read no mask: their tiles run as
 the dense kernels' do, split by the window into boundary and interior parts
-(attention._part_bounds). A user's attn_mask in the same call is merged with the block mask
+(attention_loops._part_bounds). A user's attn_mask in the same call is merged with the block mask
 by the launcher (a dense mask the tiles read instead of the bits; the lists still skip).
 
 The kernels' tiles divide the blocks (the launcher caps BLOCK_M at BS_Q and BLOCK_N at
@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import attention as base
+from . import attention_loops as loops
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def fwd_listed_blocks(
         first = tl.maximum(k_block * BS_K, lo)
         last = tl.minimum(k_block * BS_K + BS_K, hi)
         if HAS_MASK:  # the user's mask, merged with the block mask: every tile reads it
-            acc, l_i, m_i = base._fwd_tiles(
+            acc, l_i, m_i = loops._fwd_tiles(
                 acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
                 b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
                 window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
@@ -72,7 +72,7 @@ def fwd_listed_blocks(
             )  # fmt: skip
         elif kind >= 0:  # partial: its bits
             bits = _bits_base(BITS, kind, q_block, k_block, BS_Q, BS_K)
-            acc, l_i, m_i = base._fwd_tiles(
+            acc, l_i, m_i = loops._fwd_tiles(
                 acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
                 b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
                 window_right, bits, KPM, SEED, 0, 0, BS_K // 32, 1, skp_b, D, Dv, Tq, Tk,
@@ -82,8 +82,8 @@ def fwd_listed_blocks(
             )  # fmt: skip
         else:  # full: no mask; the window's interior without the positional mask either
             for part in tl.static_range(3):
-                p_first, p_last = base._part_bounds(part, lo, mid_lo, mid_hi, hi)
-                acc, l_i, m_i = base._fwd_tiles(
+                p_first, p_last = loops._part_bounds(part, lo, mid_lo, mid_hi, hi)
+                acc, l_i, m_i = loops._fwd_tiles(
                     acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, tl.maximum(p_first, first),
                     tl.minimum(p_last, last), rows, d, dv, b, h, hk, bh, q_len, k_len, offset,
                     slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b,
@@ -118,7 +118,7 @@ def dq_listed_blocks(
         first = tl.maximum(k_block * BS_K, lo)
         last = tl.minimum(k_block * BS_K + BS_K, hi)
         if HAS_MASK:
-            dq, delta_sum, p_sum = base._dq_tiles(
+            dq, delta_sum, p_sum = loops._dq_tiles(
                 dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first,
                 last, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2,
                 scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q,
@@ -128,7 +128,7 @@ def dq_listed_blocks(
             )  # fmt: skip
         elif kind >= 0:
             bits = _bits_base(BITS, kind, q_block, k_block, BS_Q, BS_K)
-            dq, delta_sum, p_sum = base._dq_tiles(
+            dq, delta_sum, p_sum = loops._dq_tiles(
                 dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first,
                 last, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2,
                 scale, softcap, window_left, window_right, bits, KPM, SEED, 0, 0, BS_K // 32, 1,
@@ -138,8 +138,8 @@ def dq_listed_blocks(
             )  # fmt: skip
         else:
             for part in tl.static_range(3):
-                p_first, p_last = base._part_bounds(part, lo, mid_lo, mid_hi, hi)
-                dq, delta_sum, p_sum = base._dq_tiles(
+                p_first, p_last = loops._part_bounds(part, lo, mid_lo, mid_hi, hi)
+                dq, delta_sum, p_sum = loops._dq_tiles(
                     dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t,
                     tl.maximum(p_first, first), tl.minimum(p_last, last), rows, d, dv,
                     DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap,
@@ -173,7 +173,7 @@ def dkdv_listed_blocks(
         first = tl.maximum(q_block * BS_Q, lo)
         last = tl.minimum(q_block * BS_Q + BS_Q, hi)
         if HAS_MASK:
-            dk, dv_acc = base._dkdv_tiles(
+            dk, dv_acc = loops._dkdv_tiles(
                 dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
                 last, last, last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale,
                 softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k,
@@ -183,7 +183,7 @@ def dkdv_listed_blocks(
             )  # fmt: skip
         elif kind >= 0:
             bits = _bits_base(BITS, kind, q_block, k_block, BS_Q, BS_K)
-            dk, dv_acc = base._dkdv_tiles(
+            dk, dv_acc = loops._dkdv_tiles(
                 dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
                 last, last, last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale,
                 softcap, window_left, window_right, bits, KPM, SEED, 0, 0, BS_K // 32, 1, skp_b,
@@ -192,10 +192,10 @@ def dkdv_listed_blocks(
             )  # fmt: skip
         else:
             for part in tl.static_range(3):
-                p_first, p_last = base._part_bounds(part, lo, mid_lo, mid_hi, hi)
+                p_first, p_last = loops._part_bounds(part, lo, mid_lo, mid_hi, hi)
                 p_first = tl.maximum(p_first, first)
                 p_last = tl.minimum(p_last, last)
-                dk, dv_acc = base._dkdv_tiles(
+                dk, dv_acc = loops._dkdv_tiles(
                     dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t,
                     p_first, p_last, p_last, p_last, cols, d, dv, b, h, bhq, q_len, k_len,
                     offset, slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED,

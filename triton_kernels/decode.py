@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .attention import _dot, _tanh
+from .attention_loops import _dot, _tanh
 from .fp8 import fp8_bits, fp8_to_f16, fp8_to_float
 
 

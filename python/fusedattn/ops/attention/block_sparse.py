@@ -103,12 +103,14 @@ def block_sparse_attention_bwd(
     dropout_p: float,
     seed: torch.Tensor | None,
     mask_grad: bool,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dk, dv, dS, dsinks) as custom_ops.attention_bwd, over the listed blocks."""
+    """-> (dq, dk, dv, dS, dsinks) as custom_ops.attention_bwd, over the listed blocks (dlse:
+    the lse's gradient)."""
     dq, dk, dv, dmask, dsinks = custom_ops._attention_backward(
         do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None, 0,
         0, window_left, window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
-        "triton", block=_mask(block_tensors, block_sizes),
+        "triton", block=_mask(block_tensors, block_sizes), dlse=dlse,
     )  # fmt: skip
     empty = q.new_empty(0, dtype=torch.float32)
     return (
@@ -123,7 +125,7 @@ def block_sparse_attention_bwd(
 @block_sparse_attention_bwd.register_fake
 def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, block_tensors,
       block_sizes, window_left, window_right, bottom_right, scale, softcap, dropout_p, seed,
-      mask_grad):  # fmt: skip
+      mask_grad, dlse=None):  # fmt: skip
     shape = (*q.shape[:3], k.shape[2]) if mask_grad else (0,)
     dsinks = (0,) if sinks is None else sinks.shape
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -135,15 +137,15 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, attn_mask, kpm, slopes, sinks, seed, *block_tensors)
     ctx.block_sizes, ctx.scalars = list(block_sizes), tuple(scalars)
     ctx.sinks_dtype = None if sinks is None else sinks.dtype
-    ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
+    """The lse is differentiable, as the dense call's (custom_ops._grads)."""
     q, k, v, out, lse, attn_mask, kpm, slopes, sinks, seed, *block_tensors = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     dq, dk, dv, dscores, dsinks = torch.ops.fusedattn.block_sparse_attention_bwd(
         dout, q, k, v, out, lse, attn_mask, kpm, slopes, sinks, block_tensors, ctx.block_sizes,
-        *ctx.scalars, seed, mask_grad,
+        *ctx.scalars, seed, mask_grad, dlse,
     )  # fmt: skip
     dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
     dsinks = dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[6] else None

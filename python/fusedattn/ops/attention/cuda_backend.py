@@ -38,12 +38,34 @@ def built_head_dims() -> tuple[int, ...]:
 
 
 def refusals(
-    *, q, k, v, window=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, **_inputs
+    *,
+    q,
+    k,
+    v,
+    window=NO_WINDOW,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
+    attn_mask=None,
+    **_inputs,
 ) -> list[str]:
     """Why the CUDA C++ attention cannot take these inputs ([] = it can). fp32 is refused
     (tensor cores take fp16/bf16; auto then routes fp32 to torch or Triton), and so are the
-    variants its kernels do not have yet (auto routes them to Triton)."""
+    variants its kernels do not have yet (auto routes them to Triton), and an lse returned
+    where a backward is recorded: its backward kernels have no term for the lse's gradient,
+    so a loss reading the lse would lose that part of dq and dk (issue #82)."""
     reasons = extension_op_refusals("attention")
+    if (
+        return_lse
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask, sinks))
+    ):
+        reasons.append(
+            "the CUDA attention's backward has no gradient for the lse: return_lse=True with "
+            "a backward recorded runs on backend='triton' (which differentiates it) or under "
+            "torch.no_grad()"
+        )
     if window.bounded and not window.is_top_left_causal:
         reasons.append(
             f"the CUDA attention has top-left causal only, not the window (left={window.left}, "

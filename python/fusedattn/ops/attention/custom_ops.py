@@ -7,7 +7,6 @@ triton_args.py's and cuda_args.py's. Signatures say Optional[...]: torch.library
 typing.Optional on every torch we support.
 """
 
-import functools
 import math
 import os
 
@@ -174,14 +173,16 @@ def attention_bwd_impl(
     seed: torch.Tensor | None,
     mask_grad: bool,
     backend: str,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, dS, dsinks): dS is the dense fp32 (B, Hq, Tq, Tk) gradient of the
     scores (the float mask's gradient before its broadcast is summed), empty unless
-    mask_grad; dsinks fp32 (Hq,), empty without sinks."""
+    mask_grad; dsinks fp32 (Hq,), empty without sinks. dlse: the gradient of the returned
+    lse (None: the loss does not read it)."""
     *grads, dmask, dsinks = _attention_backward(
         do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
-        scale, softcap, dropout_p, seed, mask_grad, backend,
+        scale, softcap, dropout_p, seed, mask_grad, backend, dlse=dlse,
     )  # fmt: skip
     empty = q.new_empty(0, dtype=torch.float32)  # a custom op returns tensors, never None
     return (*grads, empty if dmask is None else dmask, empty.clone() if dsinks is None else dsinks)
@@ -191,9 +192,10 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
                         window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
                         backend, launch=None, delta_from_out=False, grads_dtype=None,
-                        block=None):  # fmt: skip
+                        block=None, dlse=None):  # fmt: skip
     """attention_bwd_impl, reusing the forward's Triton launch when it is given (eager); dS
-    and dsinks are None when not asked for. delta_from_out: delta = rowsum(dO * O) from the
+    and dsinks are None when not asked for. dlse (the returned lse's gradient, None where
+    the loss does not read it) enters the row term: delta - dlse (attention_bwd_dq). delta_from_out: delta = rowsum(dO * O) from the
     `out` given, never the exact pass over these keys (context parallelism: out and lse are a
     whole row's, these keys one block of it). grads_dtype: dq, dk, dv in this dtype (fp32:
     context parallelism sums the blocks' gradients unrounded)."""
@@ -213,6 +215,9 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask, dsinks
     if backend == "cuda":
+        # the CUDA kernels have no dlse term: the cuda backend refuses a call that returns an
+        # lse and records a backward (cuda_backend.refusals), so a dlse here is a zero one
+        # (the custom op's, for an lse it never returned)
         backward_kernel = cuda_args.cuda_backward_kernel()
         delta = new_output((B, H, Tq), torch.float32, q.device)
         is_causal = window_right == 0 and window_left < 0 and not bottom_right
@@ -232,8 +237,11 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     # the output gradient is the one tensor a plan's key did not see: its layout names the
     # bound launchers (a planned template's), so another layout gets its own
     do_layout = (do.stride(), do.data_ptr() % 16 == 0)
-    L.run(("dq", mask_grad, exact_delta, do_layout), L.K.attention_bwd_dq, L.dq_args,
-          L.dq_tensors, q, k, v, out, do, lse, delta, dq, dmask, mask_grad, exact_delta)  # fmt: skip
+    if dlse is not None:  # laid out as lse (an lse.sum()'s gradient comes expanded)
+        dlse = dlse.to(torch.float32).expand(L.lse_shape).contiguous()
+    L.run(("dq", mask_grad, exact_delta, do_layout, dlse is None), L.K.attention_bwd_dq,
+          L.dq_args, L.dq_tensors, q, k, v, out, do, lse, delta, dq, dmask, mask_grad,
+          exact_delta, dlse)  # fmt: skip
     L.run(("dkdv", do_layout), L.K.attention_bwd_dkdv, L.dkdv_args, L.dkdv_tensors, q, k, v, do,
           lse, delta, dk, dv)  # fmt: skip
     if sinks is not None:  # d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
@@ -250,7 +258,7 @@ attention_bwd = torch.library.custom_op("fusedattn::attention_bwd", attention_bw
 @attention_bwd.register_fake
 def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
       cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale,
-      softcap, dropout_p, seed, mask_grad, backend):  # fmt: skip
+      softcap, dropout_p, seed, mask_grad, backend, dlse=None):  # fmt: skip
     shape = (0,)
     if mask_grad:
         shape = (*q.shape[:3], k.shape[2])
@@ -269,17 +277,20 @@ def _save(ctx, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_q, 
                           cu_q, cu_k, seed)  # fmt: skip
     ctx.scalars, ctx.backend = tuple(scalars), backend
     ctx.sinks_dtype = None if sinks is None else sinks.dtype
-    ctx.mark_non_differentiable(lse)
 
 
-def _grads(ctx, dout, attention_bwd_fn, n_inputs):
+def _grads(ctx, dout, dlse, attention_bwd_fn, n_inputs):
     """The input gradients of the forward saved by _save: q, k, v, the float mask, the sinks,
-    None for the other n_inputs."""
+    None for the other n_inputs. The lse is differentiable (issue #82): dlse, its gradient,
+    is None where the loss does not read it (eager), and dout None where the loss reads the
+    lse alone."""
     q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, seed = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
+    if dout is None:
+        dout = torch.zeros_like(out)
     dq, dk, dv, dscores, dsinks = attention_bwd_fn(
         dout, q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, *ctx.scalars,
-        seed, mask_grad, ctx.backend,
+        seed, mask_grad, ctx.backend, dlse,
     )  # fmt: skip
     dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
     dsinks = dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[6] else None
@@ -292,8 +303,10 @@ def _setup(ctx, inputs, output):
           *output)  # fmt: skip
 
 
-def _backward(ctx, dout, _dlse):
-    return _grads(ctx, dout, torch.ops.fusedattn.attention_bwd, 19)
+def _backward(ctx, dout, dlse):
+    # torch.library hands a zero dlse for an lse the loss does not read (an lse the call never
+    # returned included): one load per row in the dq kernel
+    return _grads(ctx, dout, dlse, torch.ops.fusedattn.attention_bwd, 19)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -314,13 +327,17 @@ class EagerAttention(torch.autograd.Function):
         )
         _save(ctx, q, k, v, attn_mask, kpm, alibi_slopes, sinks, cu_q, cu_k, scalars, seed,
               backend, out, lse)  # fmt: skip
+        ctx.set_materialize_grads(False)  # an unread lse's gradient stays None: no dlse term
         return out, lse
 
     @staticmethod
     @once_differentiable  # as the custom op: no double backward (not a silent zero)
-    def backward(ctx, dout, _dlse):
-        bwd = functools.partial(_attention_backward, launch=ctx.launch)
-        return _grads(ctx, dout, bwd, 11)
+    def backward(ctx, dout, dlse):
+        def bwd(*args):
+            *args, dlse = args
+            return _attention_backward(*args, launch=ctx.launch, dlse=dlse)
+
+        return _grads(ctx, dout, dlse, bwd, 11)
 
 
 def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -354,13 +354,15 @@ class TritonAttentionLaunch:
                                 **self.block_args("q"))  # fmt: skip
 
     def dq_tensors(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad=None,
-                   exact_delta=None):  # fmt: skip
+                   exact_delta=None, dlse=None):  # fmt: skip
+        """dlse: the lse's gradient (laid out as lse), None where the loss does not read it."""
         return (q, k, v, out, do, lse, delta, dq, dmask, self.mask, self.kpm, self.kv_range,
-                self.seed, self.slopes, self.sinks, self.cu_q, self.cu_k)  # fmt: skip
+                self.seed, self.slopes, self.sinks, self.cu_q, self.cu_k, dlse)  # fmt: skip
 
-    def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad, exact_delta=None):
+    def dq_args(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad, exact_delta=None,
+                dlse=None):  # fmt: skip
         args = (
-            *self.dq_tensors(q, k, v, out, do, lse, delta, dq, dmask),
+            *self.dq_tensors(q, k, v, out, do, lse, delta, dq, dmask, dlse=dlse),
             *self.strides(q), *self.strides(k), *self.strides(v),
             *self.strides(out), *self.strides(do), *self.strides(dq), *self.lse_strides,
             *self.mask_strides,
@@ -377,6 +379,8 @@ class TritonAttentionLaunch:
             MASK_GRAD=mask_grad, HAS_SINKS=self.sinks is not None, EXACT_DELTA=exact_delta,
             **self.flags, **self.tiles("dq"),
         )  # fmt: skip
+        if dlse is not None:
+            constexprs["HAS_DLSE"] = True
         if given is None and not exact_delta and self.half:  # not for CP's blocks (given)
             constexprs["EXACT_DELTA_KEYS"] = EXACT_DELTA_KEYS
         if self.cfg.dq.pipeline:
