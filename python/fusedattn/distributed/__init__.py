@@ -19,8 +19,9 @@ backward. Strategies (docs/distributed.md says when to pick which):
   attn_mask, key_padding_mask, ALiBi and dropout included. `context_parallel_varlen_attention`
   runs a packed batch so, its tokens split evenly over the ranks.
 - "usp": Ulysses inside group[0] (or a DeviceMesh's "ulysses" dimension), the ring across
-  group[1] ("ring"); its input is `shard_sequence(x, dim, layout="contiguous")` over the whole
-  world.
+  group[1] ("ring"); either layout, over the whole world of W = R·U ranks. The Ulysses groups
+  must be runs of consecutive ranks and the ring groups stride over them (a DeviceMesh (R, U)
+  named ("ring", "ulysses")): checked, and any other grouping refused by name.
 
 Built only on torch.distributed (NCCL on GPUs, gloo on CPUs). Every rank must call with the
 same shapes and options: they are checked with a small all-gather first, and a mismatch or a

@@ -27,40 +27,97 @@ BACKENDS = ("auto", "triton", "reference", "torch")
 WHOLE_ROW_ONLY = ("attn_mask", "key_padding_mask", "alibi_slopes")
 
 
-def _agree(fields: list[int], error: Exception | None, groups, device) -> None:
-    """Every rank's fields are equal and no rank's own checks failed, learnt through one small
-    all-gather per group in `groups` (a 2-D mesh: its rows, then its columns, reach every
-    rank). Raises on every rank: a rank's own error where it has one, else a ValueError."""
-    bad = error is not None
+def _agree(shapes: list[int], crc: int, error: Exception | None, groups, device) -> None:
+    """Every rank's shard shapes and options are equal and no rank's own checks failed, learnt
+    through one small all-gather per group in `groups` (a 2-D mesh: its rows, then its
+    columns, reach every rank). Raises on every rank: shards of other shapes first, naming
+    each rank's (a sequence that W does not divide comes as shards of two lengths, and each
+    rank's own checks see only its own), then a rank's own error where it has one, else
+    which ranks refused, else the options."""
+    flag = 1 if error is not None else 0  # 1: a refusal seen, 2: differing shapes seen
+    differ = None  # the rows of the first group whose shapes differ
     for group in groups:
         world = dist.get_world_size(group)
-        meta = torch.tensor([int(bad), *fields], dtype=torch.int64)
+        meta = torch.tensor([flag, *shapes, crc], dtype=torch.int64)
         if dist.get_backend(group) == "nccl":
             meta = meta.to(device)
         gathered = [torch.empty_like(meta) for _ in range(world)]
         dist.all_gather(gathered, meta, group=group)
         rows = [g.tolist() for g in gathered]
-        bad = any(r[0] for r in rows) or any(r[1:] != rows[0][1:] for r in rows)
+        if differ is None and any(r[1:-1] != rows[0][1:-1] for r in rows):
+            differ = rows
+        options_differ = any(r[-1] != rows[0][-1] for r in rows)
+        flag = max([flag, 2 if differ else 0, 1 if options_differ else 0] + [r[0] for r in rows])
+        refused = [i for i, r in enumerate(rows) if r[0] == 1]
+    if differ is not None or flag == 2:
+        per_rank = "another group's ranks"
+        if differ is not None:
+            per_rank = "; ".join(f"rank {i}: {_shapes_str(r[1:-1])}" for i, r in enumerate(differ))
+        raise ValueError(
+            f"context_parallel_attention: the ranks' shards differ ({per_rank}); every rank "
+            "must pass its shard of the same sequence (T/W positions each, of a length T that "
+            "W divides, 2W with layout='zigzag': pad the sequence to it) with the same heads "
+            "and head dims"
+        )
     if error is not None:
         raise error
-    if bad:
+    if flag:
+        which = f"rank(s) {refused} of the group" if refused else "a rank"
         raise ValueError(
-            "context_parallel_attention: another rank refused its inputs or passed other "
-            "shapes or options (that rank's error says which); every rank must pass its shard "
-            "of the same sequence with the same arguments"
+            f"context_parallel_attention: {which} refused its inputs or passed other options "
+            "(that rank's error says which); every rank must pass its shard of the same "
+            "sequence with the same arguments"
         )
+
+
+def _shapes_str(fields: list[int]) -> str:
+    """q, k, v shapes from _shape_fields' flat list (5 fields a tensor)."""
+    return ", ".join(
+        f"{name} {tuple(fields[5 * i + 1 : 5 * i + 1 + fields[5 * i]])}"
+        for i, name in enumerate(("q", "k", "v"))
+    )
+
+
+def _shape_fields(*tensors) -> list[int]:
+    """Each tensor's rank and dims, padded to a fixed length (4-D at most is read)."""
+    fields = []
+    for t in tensors:
+        dims = list(t.shape[:4])
+        fields += [len(dims), *dims, *([0] * (4 - len(dims)))]
+    return fields
 
 
 def _options_crc(*options) -> int:
     return zlib.crc32(repr(options).encode())
 
 
-def _heads(name: str, H: int, world: int) -> None:
-    if H % world:
+def _heads(name: str, count: int, world: int) -> None:
+    if count < world:
         raise ValueError(
-            f"strategy 'ulysses' shards the heads over the group: {name} = {H} query heads do "
-            f"not divide by W = {world} (pick a degree that divides the head count, or the "
-            "ring strategy)"
+            f"strategy 'ulysses' shards the heads over the group: {name} = {count} query heads "
+            f"are fewer than W = {world} ranks (a rank would hold none: pick a smaller "
+            "degree, or the ring strategy)"
+        )
+
+
+def _check_usp_groups(u_group, r_group) -> None:
+    """USP's convention: the Ulysses groups are runs of consecutive ranks and the ring groups
+    stride over them by U, so that the rank at ring position r and Ulysses position u holds
+    shard r·U + u of the sequence (a DeviceMesh (R, U) named ("ring", "ulysses"): its rows
+    are the Ulysses groups; yunchang's use_ulysses_low=True). Other groupings (strided
+    Ulysses groups, a mesh whose names are swapped) would attend to the wrong positions."""
+    u_ranks = dist.get_process_group_ranks(u_group)
+    r_ranks = dist.get_process_group_ranks(r_group)
+    U = len(u_ranks)
+    consecutive = u_ranks == list(range(u_ranks[0], u_ranks[0] + U))
+    strided = r_ranks == list(range(r_ranks[0], r_ranks[0] + U * len(r_ranks), U))
+    if not (consecutive and strided):
+        raise ValueError(
+            "strategy 'usp' needs Ulysses groups of consecutive ranks and ring groups that "
+            "stride over them by U (the rank at ring position r and Ulysses position u holds "
+            "shard r*U + u of the sequence: a DeviceMesh of shape (R, U) with mesh_dim_names "
+            f"('ring', 'ulysses'), or yunchang's use_ulysses_low=True); got the Ulysses group "
+            f"{u_ranks} and the ring group {r_ranks} of rank {dist.get_rank()}"
         )
 
 
@@ -71,10 +128,12 @@ def _full_shape(t: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _slice_heads(x, rank, world, H, dim):
-    """x's rank-th share of its head dim `dim` when it has one of size H (> 1), else x."""
+    """x's rank-th share of its head dim `dim` when it has one of size H (> 1), else x (the
+    shares of ulysses.head_counts: uneven where W does not divide H)."""
     if x is None or x.dim() < -dim or x.shape[dim] != H or H == 1:
         return x
-    return x.narrow(dim, rank * H // world, H // world)
+    heads = ulysses.head_slice(rank, world, H)
+    return x.narrow(dim, heads.start, heads.stop - heads.start)
 
 
 def _mesh_groups(group):
@@ -89,6 +148,32 @@ def _mesh_groups(group):
         "strategy 'usp' takes group=(ulysses_group, ring_group) or a 2-D DeviceMesh with "
         f"dimensions named 'ring' and 'ulysses', got {group!r}"
     )
+
+
+class _LseWithoutGradient(torch.autograd.Function):
+    """The lse of the Ulysses strategies, returned beside an output that has a gradient: a
+    backward through it raises, naming why, instead of leaving its part of dq and dk out.
+    (Its own all-to-all back would be a second collective in the backward, run only on the
+    ranks whose loss reads it; the ring strategy differentiates its lse.)"""
+
+    @staticmethod
+    def forward(ctx, lse, anchor, strategy):
+        ctx.strategy = strategy
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, _dlse):
+        raise RuntimeError(
+            f"context_parallel_attention(strategy={ctx.strategy!r}) returns an lse without a "
+            "gradient: a loss that reads it would lose that part of dq and dk. Detach it "
+            "(lse.detach()), or use strategy='ring', whose lse is differentiable"
+        )
+
+
+def _lse_refusing_backward(lse, out, strategy):
+    if torch.is_grad_enabled() and out.requires_grad:
+        return _LseWithoutGradient.apply(lse, out, strategy)
+    return lse
 
 
 def context_parallel_attention(
@@ -176,7 +261,7 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
     error = None
     try:  # every local check; a failure is raised on every rank by _agree, never a hang
         if usp:
-            layout = "contiguous"
+            _check_usp_groups(u_group, r_group)
             whole_row = [name for name, value in given.items() if value is not None]
             if whole_row or dropout_p:
                 what = ", ".join(whole_row + (["dropout_p"] if dropout_p else []))
@@ -200,9 +285,11 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
         )  # fmt: skip
         if backend == "auto":
             backend = "triton" if q.is_cuda else "torch"
-        kv_heads = k.shape[1] * ulysses.kv_repeats(k.shape[1], U) // U
+        kv_all = k.shape[1] * ulysses.kv_repeats(k.shape[1], U, Hq)
+        kv_heads = ulysses.head_counts(kv_all, U)[u_rank]
+        q_heads = ulysses.head_counts(Hq, U)[u_rank]
         heads = [_full_shape(t, (B, h, T, t.shape[3]))
-                 for t, h in ((q, Hq // U), (k, kv_heads), (v, kv_heads))]  # fmt: skip
+                 for t, h in ((q, q_heads), (k, kv_heads), (v, kv_heads))]  # fmt: skip
         if usp:  # the ring's blocks on this rank's heads
             ring._check_backend(*heads, scale, True, window, softcap, backend)
         else:
@@ -215,17 +302,19 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
             ))  # fmt: skip
     except (ValueError, TypeError) as exc:
         error = exc
-    shapes = [*q.shape, *k.shape, *v.shape] if error is None else [0] * 12
     crc = _options_crc(layout, strategy, is_causal, window_size, softcap, scale, dropout_p,
                        return_lse, backend, str(q.dtype), *(None if t is None else
                        tuple(t.shape) for t in (*given.values(), sinks)))  # fmt: skip
-    _agree([*shapes, crc], error, [u_group] if not usp else [u_group, r_group], q.device)
-    qh, kh, vh = ulysses.to_heads(q, k, v, u_group, U, layout, n * U)
+    _agree(_shape_fields(q, k, v), crc, error, [u_group] if not usp else [u_group, r_group],
+           q.device)  # fmt: skip
+    qh, kh, vh = ulysses.to_heads(q, k, v, u_group, U, layout, n * U, u_rank)
     hs = dict(rank=u_rank, world=U, H=Hq)
     sinks_h = _slice_heads(sinks, dim=-1, **hs)
     if usp:
+        # the Ulysses group's shards are this ring member's: the layout's chunks over R (a
+        # zigzag over W = U·R puts chunks r·U .. r·U + U - 1 and their mirror on ring rank r)
         cfg = ring._Config(
-            group=r_group, world=R, rank=r_rank, T=T, layout="contiguous", strategy="ring",
+            group=r_group, world=R, rank=r_rank, T=T, layout=layout, strategy="ring",
             is_causal=is_causal, window=(window.left, window.right), scale=scale,
             scale_value=D**-0.5 if scale is None else float(scale), softcap=float(softcap),
             enable_gqa=True, backend=backend,
@@ -240,11 +329,11 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
             return_lse=return_lse, backend=backend,
         )  # fmt: skip
         out, lse = result if return_lse else (result, None)
-    out = ulysses.to_sequence(out, u_group, U, layout, n * U)
+    out = ulysses.to_sequence(out, u_group, U, layout, n * U, Hq, u_rank)
     if not return_lse:
         return out
-    lse = ulysses.to_sequence(lse.detach().unsqueeze(-1), u_group, U, layout, n * U)
-    return out, lse.squeeze(-1)
+    lse = ulysses.to_sequence(lse.detach().unsqueeze(-1), u_group, U, layout, n * U, Hq, u_rank)
+    return out, _lse_refusing_backward(lse.squeeze(-1), out, strategy)
 
 
 def context_parallel_varlen_attention(
@@ -261,6 +350,7 @@ def context_parallel_varlen_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
     window_size: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -301,7 +391,7 @@ def context_parallel_varlen_attention(
         full = [_full_shape(t, (t.shape[0] * W, *t.shape[1:])) for t in (q, k, v)]
         check_varlen_args(
             *full, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            is_causal, scale, q.shape[1] != k.shape[1], window_size=window_size,
+            is_causal, scale, enable_gqa, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
             causal_alignment=causal_alignment, return_lse=return_lse,
         )  # fmt: skip
@@ -315,13 +405,13 @@ def context_parallel_varlen_attention(
                 )
     except (ValueError, TypeError) as exc:
         error = exc
-    shapes = [*q.shape, *k.shape, *v.shape] if error is None else [0] * 9
     crc = _options_crc(is_causal, window_size, softcap, scale, dropout_p, causal_alignment,
-                       return_lse, backend, str(q.dtype), max_seqlen_q, max_seqlen_k)  # fmt: skip
-    _agree([*shapes, crc], error, [group], q.device)
+                       return_lse, backend, str(q.dtype), max_seqlen_q, max_seqlen_k,
+                       enable_gqa)  # fmt: skip
+    _agree(_shape_fields(q, k, v), crc, error, [group], q.device)
     as_dense = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # (1, H, N/W, D) views
     Tq = q.shape[0] * W
-    qh, kh, vh = ulysses.to_heads(*as_dense, group, W, "contiguous", None)
+    qh, kh, vh = ulysses.to_heads(*as_dense, group, W, "contiguous", None, rank)
     qh, kh, vh = (t[0].transpose(0, 1) for t in (qh, kh, vh))  # (N, H/W, D)
     hs = dict(rank=rank, world=W, H=q.shape[1])
     result = varlen_attention(
@@ -332,9 +422,12 @@ def context_parallel_varlen_attention(
         return_lse=return_lse, backend=backend,
     )  # fmt: skip
     out, lse = result if return_lse else (result, None)
-    out = ulysses.to_sequence(out.transpose(0, 1).unsqueeze(0), group, W, "contiguous", Tq)
+    Hq = q.shape[1]
+    out = ulysses.to_sequence(out.transpose(0, 1).unsqueeze(0), group, W, "contiguous", Tq, Hq,
+                              rank)  # fmt: skip
     out = out[0].transpose(0, 1)
     if not return_lse:
         return out
-    lse = ulysses.to_sequence(lse.detach()[None, :, :, None], group, W, "contiguous", Tq)
-    return out, lse[0, :, :, 0]
+    lse = ulysses.to_sequence(lse.detach()[None, :, :, None], group, W, "contiguous", Tq, Hq,
+                              rank)  # fmt: skip
+    return out, _lse_refusing_backward(lse[0, :, :, 0], out, "ulysses")

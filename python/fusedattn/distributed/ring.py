@@ -10,7 +10,7 @@ chunk, block by block.
   top-left window (`_band`).
 - Partial outputs and log-sum-exps merge in fp32 (out = sum of exp(lse_b - lse) * out_b), dQ
   accumulates in fp32 and dK/dV travel in fp32: no bf16 rounding per hop, so the error does
-  not grow with W. The backward of a block uses the whole row's out and lse (the row's
+  not grow with W. float64 inputs merge, accumulate and travel in float64. The backward of a block uses the whole row's out and lse (the row's
   probabilities restricted to the block), so nothing is recomputed twice.
 - sinks join each row's normaliser once, after the merge; each rank's sinks gradient is its
   part (the data-parallel reduction sums them, as for every parameter).
@@ -101,31 +101,41 @@ def _block_forward(q, k, v, window, cfg):
         return out, lse
     kw = dict(scale=cfg.scale, enable_gqa=cfg.enable_gqa, window_size=window,
               softcap=cfg.softcap)  # fmt: skip
-    if cfg.backend == "torch":
-        out = attention(q, k, v, backend="torch", **kw)
+    acc = merge_dtype(q)
+    if cfg.backend == "torch" or acc == torch.float64:
+        # SDPA returns no lse, and the reference's is float32: the block's scores' (float64
+        # for float64 inputs, whose merge would otherwise be float32-accurate, 5e-7)
+        out = attention(q, k, v, backend=cfg.backend, **kw)
         scores = attention_scores(q, k, None, scale=cfg.scale, softcap=cfg.softcap,
                                   window=NO_WINDOW if window is None else Window(*window))  # fmt: skip
-        return out.float(), log_sum_exp(scores)  # SDPA returns no lse: the block's scores'
+        return out.to(acc), log_sum_exp(scores, acc)
     out, lse = attention(q, k, v, return_lse=True, backend=cfg.backend, **kw)
     return out.float(), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, window, cfg):
+def merge_dtype(q: torch.Tensor) -> torch.dtype:
+    """What partial outputs, lse and gradients merge in: float64 for float64 inputs (the
+    reference and torch backends), fp32 for the rest."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _block_backward(dout, q, k, v, out, lse, window, cfg, dlse=None):
     """(dq, dk, dv) in fp32 of the query rows q against the keys k, v, from the rows' whole
-    out and lse (the row's probabilities restricted to these keys)."""
+    out and lse (the row's probabilities restricted to these keys); dlse: the whole lse's
+    gradient at these rows (its row term delta - dlse holds for every block of the row)."""
     lse = lse.contiguous()  # the kernels read lse as a dense (B, H, T), not through strides
     if cfg.backend == "triton":
         left, right = window or (-1, -1)
         dq, dk, dv, _, _ = custom_ops._attention_backward(
             dout, q, k, v, out, lse, None, None, None, None, None, None, 0, 0, left, right,
             False, cfg.scale_value, cfg.softcap, 0.0, None, False, "triton",
-            delta_from_out=True, grads_dtype=torch.float32,
+            delta_from_out=True, grads_dtype=torch.float32, dlse=dlse,
         )  # fmt: skip
         return dq, dk, dv
-    return _naive_block_backward(dout, q, k, v, out, lse, window or (-1, -1), cfg)
+    return _naive_block_backward(dout, q, k, v, out, lse, window or (-1, -1), cfg, dlse)
 
 
-def _naive_block_backward(do, q, k, v, out, lse, window, cfg):
+def _naive_block_backward(do, q, k, v, out, lse, window, cfg, dlse=None):
     """The block's gradients with the row's probabilities P = exp(s - lse) restricted to it,
     in fp32 (fp64 kept): dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), through softcap."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -141,6 +151,8 @@ def _naive_block_backward(do, q, k, v, out, lse, window, cfg):
     p = torch.exp(s - lse.to(compute)[..., None]).nan_to_num(0.0)  # rows with lse -inf: 0
     dv = torch.matmul(p.transpose(-2, -1), doc)
     delta = (doc * out.to(compute)).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(compute)[..., None]
     ds = p * (torch.matmul(doc, vx.transpose(-2, -1)) - delta)
     if cfg.softcap > 0:
         ds = ds * (1.0 - torch.tanh(raw / cfg.softcap) ** 2)
@@ -153,7 +165,8 @@ def _naive_block_backward(do, q, k, v, out, lse, window, cfg):
 
 
 def _merge(acc_out, acc_lse, out, lse):
-    """fp32 merge of two partial results of the same rows (lse -inf = nothing seen yet)."""
+    """fp32 (float64) merge of two partial results of the same rows (lse -inf = nothing seen
+    yet)."""
     if acc_out is None:
         return out, lse
     new = torch.logaddexp(acc_lse, lse)
@@ -250,13 +263,16 @@ class _ContextParallelAttention(torch.autograd.Function):
         # q's dtype (in bf16 that rounding reached dq, dk and the sinks' gradient)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.cfg = cfg
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        ctx.set_materialize_grads(False)  # an unread lse: no dlse term (no collective more)
+        return out.to(q.dtype), lse.float()  # the lse fp32, as attention's (merged in float64
+        # for float64 inputs)
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv, dsinks = _backward(dout, q, k, v, sinks, out, lse, ctx.cfg)
+        if dout is None:  # the loss reads the lse alone
+            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
+        dq, dk, dv, dsinks = _backward(dout, q, k, v, sinks, out, lse, ctx.cfg, dlse)
         return dq, dk, dv, dsinks, None
 
 
@@ -302,8 +318,9 @@ def _forward(q, k, v, sinks, cfg):
     cfg.k, cfg.v = k, v
     B, Hq, n, _ = q.shape
     Dv = v.shape[-1]
-    out = torch.zeros(B, Hq, n, Dv, dtype=torch.float32, device=q.device)
-    lse = torch.full((B, Hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = merge_dtype(q)
+    out = torch.zeros(B, Hq, n, Dv, dtype=acc, device=q.device)
+    lse = torch.full((B, Hq, n), float("-inf"), dtype=acc, device=q.device)
     for owner, k_owner, v_owner in _kv_sources(cfg):
         for blk in _blocks_against(owner, cfg):
             b_out, b_lse = _block_forward(
@@ -315,7 +332,7 @@ def _forward(q, k, v, sinks, cfg):
                 out[:, :, rows], lse[:, :, rows], b_out, b_lse
             )
     if sinks is not None:  # each head's sink joins every row's normaliser, once
-        sink = sinks.float().view(1, -1, 1).expand_as(lse)
+        sink = sinks.to(acc).view(1, -1, 1).expand_as(lse)
         total = torch.logaddexp(lse, sink)
         out = out * torch.exp(lse - total).nan_to_num(0.0)[..., None]
         lse = total
@@ -323,29 +340,31 @@ def _forward(q, k, v, sinks, cfg):
     return out, lse
 
 
-def _backward(dout, q, k, v, sinks, out, lse, cfg):
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+def _backward(dout, q, k, v, sinks, out, lse, cfg, dlse=None):
+    acc = merge_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_own = dv_own = None
     if cfg.strategy == "allgather":
         cfg.k, cfg.v = k, v
-        dks = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(cfg.world)]
-        dvs = [torch.zeros(v.shape, dtype=torch.float32, device=v.device) for _ in range(cfg.world)]
+        dks = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(cfg.world)]
+        dvs = [torch.zeros(v.shape, dtype=acc, device=v.device) for _ in range(cfg.world)]
         for owner, k_owner, v_owner in _kv_sources(cfg):
-            _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dks[owner], dvs[owner], cfg)
+            _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dks[owner], dvs[owner],
+                        cfg, dlse)  # fmt: skip
         dk_own, dv_own = _reduce_scatter(dks, cfg.group), _reduce_scatter(dvs, cfg.group)
     else:
         # K/V and their fp32 dK/dV accumulators travel together; after W - 1 hops the
         # accumulators hold every rank's contribution but the last, and one more hop brings
         # them home.
         k_cur, v_cur = k, v
-        dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dk_cur = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_cur = torch.zeros(v.shape, dtype=acc, device=v.device)
         for step in range(cfg.world):
             owner = (cfg.rank - step) % cfg.world
             pending = None
             if step < cfg.world - 1:  # the K/V move on while this block computes
                 pending = _ring_exchange([k_cur, v_cur], cfg.group, cfg.world, cfg.rank)
-            _accumulate(dout, q, k_cur, v_cur, out, lse, owner, dq, dk_cur, dv_cur, cfg)
+            _accumulate(dout, q, k_cur, v_cur, out, lse, owner, dq, dk_cur, dv_cur, cfg, dlse)
             if cfg.world > 1:  # the accumulators follow their K/V (home after the last hop)
                 reqs, (dk_cur, dv_cur) = _ring_exchange(
                     [dk_cur, dv_cur], cfg.group, cfg.world, cfg.rank
@@ -359,20 +378,23 @@ def _backward(dout, q, k, v, sinks, out, lse, cfg):
         dk_own, dv_own = dk_cur, dv_cur
     dsinks = None
     if sinks is not None and sinks.requires_grad:
-        delta = (dout.float() * out.float()).sum(-1)
-        p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
+        p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
         dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
     cfg.k = cfg.v = None
     return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), dsinks
 
 
-def _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dk, dv, cfg):
+def _accumulate(dout, q, k_owner, v_owner, out, lse, owner, dq, dk, dv, cfg, dlse=None):
     """Add the gradients of this rank's query chunks against `owner`'s K/V chunks."""
     for blk in _blocks_against(owner, cfg):
         rows, keys = blk.rows, blk.keys
         b_dq, b_dk, b_dv = _block_backward(
             dout[:, :, rows], q[:, :, rows], k_owner[:, :, keys], v_owner[:, :, keys],
             out[:, :, rows], lse[:, :, rows], blk.window, cfg,
+            None if dlse is None else dlse[:, :, rows],
         )  # fmt: skip
         dq[:, :, rows] += b_dq
         dk[:, :, keys] += b_dk

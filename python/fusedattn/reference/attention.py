@@ -108,13 +108,14 @@ def attention_p_rounded(
     return out / torch.where(total == 0, 1.0, total)
 
 
-def log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
-    """Row log-sum-exp in fp32; -inf (with zero gradient) for a row that sees no key."""
+def log_sum_exp(scores: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row log-sum-exp in `dtype` (fp32, the API's; float64 for context parallelism's float64
+    merge); -inf (with zero gradient) for a row that sees no key."""
     if scores.shape[-1] == 0:
-        return scores.new_full(scores.shape[:-1], float("-inf")).float()
+        return scores.new_full(scores.shape[:-1], float("-inf")).to(dtype)
     dead = scores.detach().amax(-1) == float("-inf")
     lse = torch.logsumexp(scores.masked_fill(dead.unsqueeze(-1), 0.0), dim=-1)
-    return lse.masked_fill(dead, float("-inf")).float()
+    return lse.masked_fill(dead, float("-inf")).to(dtype)
 
 
 def attention(
