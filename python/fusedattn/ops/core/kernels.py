@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from . import backends
+from . import backends, interpreter
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # the attention and decode kernels' head dims, D and Dv
@@ -21,7 +21,10 @@ MAX_HEAD_DIM = 256  # the attention and decode kernels' head dims, D and Dv
 @functools.cache
 def kernels(name: str):
     """fusedattn.triton_kernels.<name>, imported on first use (cached: import_module costs
-    0.5 µs a call on the host path, bench_host.py)."""
+    0.5 µs a call on the host path, bench_host.py). Under Triton's interpreter, its dot made
+    row by row and its masks bool first (interpreter.py)."""
+    if backends.triton_interpreter_enabled():
+        interpreter.install()
     return importlib.import_module(f"fusedattn.triton_kernels.{name}")
 
 
