@@ -99,8 +99,13 @@ def test_layer_norm_rejects_bad_input(backend, match, error, change):
 
 SOFTMAX_CASES = [
     ("x must be float16", TypeError, dict(x=torch.ones(3, 8, dtype=torch.int64))),
-    ("at least one dimension", ValueError, dict(x=torch.tensor(1.0))),
     ("dim 2 is out of range", ValueError, dict(dim=2)),
+    (
+        r"Dimension out of range \(expected to be in range of \[-2, 1\], but got -3\)",
+        IndexError,
+        dict(dim=-3),
+    ),  # torch's error, as vLLM's test_row_softmax_invalid_negative_dim
+    (r"in range of \[-1, 0\], but got 1", IndexError, dict(x=torch.tensor(1.0), dim=1)),
     ("dim must be an int", TypeError, dict(dim=1.0)),
     ("does not broadcast", ValueError, dict(mask=torch.ones(3, 3, 8, dtype=torch.bool))),
     ("is_causal=True needs", ValueError, dict(is_causal=True, dim=0)),

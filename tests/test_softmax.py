@@ -166,3 +166,43 @@ def test_cuda_fast_path_rows_kx(N, dtype):
     x[1, 2] = float("-inf")
     y = fusedattn.softmax(x, backend="cuda")
     assert (y[1, 2] == 0).all() and not y.isnan().any()
+
+
+@pytest.mark.parametrize(
+    "backend,invariant",
+    [("reference", False), ("torch", False), ("triton", False), ("auto", False),
+     ("triton", True), ("auto", True)],  # the switch refuses the torch backend
+)  # fmt: skip
+@pytest.mark.parametrize("shape,dim", [((3, 5, 7), 0), ((3, 5, 7), 1), ((2, 3, 4, 5, 6), 2)])
+def test_any_dim_gives_a_contiguous_result_as_torch_does(shape, dim, backend, invariant):
+    """Along a dim other than the last the result is contiguous, as aten's _softmax (vLLM's
+    test_softmax_non_last_dim asserts it): it was a view of a dim-last buffer on the Triton
+    kernels, so under fusedattn.batch_invariant (auto = Triton) the layout changed with the
+    switch. Five dims that do not merge: a buffer copied back. The backward's dx too."""
+    x = torch.randn(shape, requires_grad=True)
+    with fusedattn.batch_invariant(invariant):
+        y = fusedattn.softmax(x, dim, backend=backend)
+        (dx,) = torch.autograd.grad(y, x, torch.randn_like(y))
+        with torch.no_grad():  # the plan's forward (no autograd), twice: first call, then bound
+            plain = [fusedattn.softmax(x, dim, backend=backend) for _ in range(2)]
+    want = torch.softmax(x.double(), dim)
+    for t in (y, dx, *plain):
+        assert t.is_contiguous() and t.shape == x.shape
+    for t in (y, *plain):
+        torch.testing.assert_close(t.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_a_scalar_follows_torchs_contract(backend):
+    """vLLM's test_row_softmax_scalar: a 0-d tensor's softmax along 0 or -1 is 1, as torch's;
+    dim 1 raises torch's IndexError (checks.DimensionError, a ValueError too)."""
+    x = torch.tensor(2.5, requires_grad=True)
+    for dim in (0, -1):
+        y = fusedattn.softmax(x, dim, backend=backend)
+        assert y.shape == () and y.item() == 1.0
+        (dx,) = torch.autograd.grad(y, x)
+        assert dx.item() == 0.0
+    with pytest.raises(IndexError, match=r"range of \[-1, 0\], but got 1"):
+        fusedattn.softmax(x, 1, backend=backend)
+    with pytest.raises(ValueError):
+        fusedattn.softmax(torch.randn(2, 3), -3, backend=backend)

@@ -514,17 +514,26 @@ def check_linear_args(x, weight, bias) -> None:
             )
 
 
+class DimensionError(IndexError, ValueError):
+    """A dim out of range: torch's IndexError ("Dimension out of range ..."), and a ValueError
+    as fusedattn's other argument errors (callers catching either keep working)."""
+
+
 def check_softmax_args(x, dim, mask, scale, is_causal) -> int:
-    """Validate `fusedattn.softmax`; returns `dim` made non-negative."""
+    """Validate `fusedattn.softmax`; returns `dim` made non-negative. torch's contract for the
+    edges: a 0-d x takes dim 0 or -1 (its softmax is 1), and a dim out of range raises
+    torch's IndexError (as DimensionError, a ValueError too)."""
     check_tensor("x", x)
     check_float_dtype("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension")
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim {dim} is out of range for x with {x.dim()} dimensions")
-    dim = int(dim) % x.dim()
+    n = max(x.dim(), 1)  # torch wraps a 0-d tensor's dims as a 1-d one's
+    if not -n <= dim < n:
+        raise DimensionError(
+            f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got "
+            f"{dim}): dim {dim} is out of range for x with {x.dim()} dimensions"
+        )
+    dim = int(dim) % n
     if mask is not None:
         check_mask("mask", mask, x.shape, x.device)
     check_scale(scale)

@@ -49,4 +49,7 @@ def softmax(x, dim=-1, *, mask=None, scale=None, is_causal=False):
     rows give 0 output and 0 gradient.
     """
     dim = check_softmax_args(x, dim, mask, scale, is_causal)
+    if x.dim() == 0:  # torch's softmax of a scalar: the 1-element row's, reshaped back
+        one = None if mask is None else mask.reshape(1)
+        return softmax(x.reshape(1), 0, mask=one, scale=scale, is_causal=is_causal).reshape(())
     return safe_softmax(masked_scores(x, dim, mask, scale, is_causal), dim).to(x.dtype)

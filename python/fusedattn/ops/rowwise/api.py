@@ -132,6 +132,10 @@ def softmax(
             return plan(x=x, mask=mask)
     x = apply_autocast("softmax", dict(x=x))["x"]
     dim = check_softmax_args(x, dim, mask, scale, is_causal)
+    if x.dim() == 0:  # torch's softmax of a scalar: the 1-element row's, reshaped back
+        one = None if mask is None else mask.reshape(1)
+        return softmax(x.reshape(1), 0, mask=one, scale=scale, is_causal=is_causal,
+                       backend=backend).reshape(())  # fmt: skip
     inputs = dict(x=x, dim=dim, mask=mask, scale=scale, is_causal=is_causal)
     impl = backends.select("softmax", backend, x.device, inputs)
     if key is None:

@@ -25,8 +25,27 @@ def as_4d(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def empty_softmax_like(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Output buffer: contiguous with `dim` last, returned in x's dim order (a view)."""
-    return new_output(x.movedim(dim, -1).shape, x.dtype, x.device).movedim(-1, dim)
+    """The output: x's shape, contiguous, as torch.softmax returns it along any dim (it was
+    a dim-last buffer seen in x's order, a non-contiguous view along another dim)."""
+    return new_output(x.shape, x.dtype, x.device)
+
+
+def _output_4d(y: torch.Tensor, dim: int, backend: str) -> tuple[torch.Tensor, bool]:
+    """(y4, direct): what the kernel writes, y seen as (A, B, C, N) through its strides
+    (direct), or where that view would be a copy (more than 4 dims that do not merge) or the
+    backend is CUDA along another dim (its kernels write rows of unit stride) a dim-last
+    buffer that _finish copies into y."""
+    if dim == y.dim() - 1 or backend != "cuda":
+        y4 = as_4d(y, dim)
+        if _is_view_of(y4, y):
+            return y4, True
+    return as_4d(new_output(y.movedim(dim, -1).shape, y.dtype, y.device), -1), False
+
+
+def _finish(y: torch.Tensor, y4: torch.Tensor, direct: bool, dim: int) -> torch.Tensor:
+    if not direct:
+        y.copy_(y4.reshape(y.movedim(dim, -1).shape).movedim(-1, dim))
+    return y
 
 
 def _strides(t4: torch.Tensor) -> tuple[int, int, int, int]:
@@ -54,7 +73,7 @@ def softmax_fwd(
 
 def _softmax_forward(x, dim, mask, scale, is_causal, backend):
     y = empty_softmax_like(x, dim)
-    x4, y4 = as_4d(x, dim), as_4d(y, dim)
+    x4, (y4, direct) = as_4d(x, dim), _output_4d(y, dim, backend)
     A, B, C, N = x4.shape
     if backend == "cuda":  # reads bool masks as bytes, additive ones as fp32
         if mask is not None and mask.dtype != torch.bool:
@@ -64,7 +83,7 @@ def _softmax_forward(x, dim, mask, scale, is_causal, backend):
         extension().softmax_fwd(
             x4, y4, m4 if is_bool else None, None if is_bool else m4, scale, is_causal
         )
-        return y
+        return _finish(y, y4, direct, dim)
     m4 = as_4d(mask.expand(x.shape), dim) if mask is not None else None
     K = kernels("softmax")
     if x.numel():
@@ -83,7 +102,7 @@ def _softmax_forward(x, dim, mask, scale, is_causal, backend):
                 BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             ),
         )  # fmt: skip
-    return y
+    return _finish(y, y4, direct, dim)
 
 
 @softmax_fwd.register_fake
@@ -101,11 +120,11 @@ def softmax_bwd(
 
 def _softmax_backward_kernel(y, dy, dim, scale, backend):
     dx = empty_softmax_like(y, dim)
-    y4, dy4, dx4 = as_4d(y, dim), as_4d(dy, dim), as_4d(dx, dim)
+    y4, dy4, (dx4, direct) = as_4d(y, dim), as_4d(dy, dim), _output_4d(dx, dim, backend)
     A, B, C, N = y4.shape
     if backend == "cuda":
         extension().softmax_bwd(y4, dy4, dx4, scale)
-        return dx
+        return _finish(dx, dx4, direct, dim)
     K = kernels("softmax")
     if y.numel():
         cfg = K.softmax_config(N, max_one_pass_n=K.MAX_ONE_PASS_N)
@@ -116,7 +135,7 @@ def _softmax_backward_kernel(y, dy, dim, scale, backend):
             (y4, dy4, dx4, *_strides(y4), *_strides(dy4), *_strides(dx4), B, C, N, scale),
             dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps),
         )  # fmt: skip
-    return dx
+    return _finish(dx, dx4, direct, dim)
 
 
 @softmax_bwd.register_fake
@@ -148,7 +167,10 @@ class TritonSoftmaxForward:
         self.dim, self.scale, self.is_causal = dim, scale, is_causal
         x4 = as_4d(x, dim)
         y = empty_softmax_like(x, dim)
-        self.y_shape = tuple(y.movedim(dim, -1).shape)  # the buffer: dim last, contiguous
+        y4, direct = _output_4d(y, dim, "triton")
+        self.y_shape = tuple(y.shape)  # contiguous, as torch.softmax's
+        # the output's 4-D view by its strides (None: a buffer copied back, _output_4d)
+        self.y_stride4 = _strides(y4) if direct else None
         self.shape4 = tuple(x4.shape)
         # x and the mask as 4-D views by their strides, one call each (as_4d's chain of
         # movedim / unsqueeze / flatten only where it had to copy)
@@ -168,9 +190,10 @@ class TritonSoftmaxForward:
 
     def __call__(self, x, mask=None):
         dim, shape4 = self.dim, self.shape4
-        buffer = new_output(self.y_shape, x.dtype, x.device)
-        y = buffer if dim == x.dim() - 1 else buffer.movedim(-1, dim)
-        y4 = buffer.view(shape4)
+        if self.y_stride4 is None:  # more than 4 dims that do not merge: the full path
+            return _softmax_forward(x, dim, mask, self.scale, self.is_causal, "triton")
+        y = new_output(self.y_shape, x.dtype, x.device)
+        y4 = y.as_strided(shape4, self.y_stride4)
         x4 = as_4d(x, dim) if self.x_stride4 is None else x.as_strided(shape4, self.x_stride4)
         m4 = None
         if mask is not None:
