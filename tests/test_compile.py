@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fusedattn
+from fusedattn.masks import create_block_mask
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.kernels), "auto"]
 
@@ -17,6 +18,8 @@ def _attention_cases():
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[1, 6:] = True
     bias, slopes, sinks = torch.randn(9, 9), torch.rand(4), torch.randn(4)
+    bm = create_block_mask(lambda b, h, i, j: (j <= i) & ((i - j) % 4 != 1), None, None, 9, 9,
+                           BLOCK_SIZE=(16, 32))  # fmt: skip
     return {  # name -> (call(backend), tensors that get gradients, backends that refuse it)
         "plain": (lambda b: fusedattn.attention(q, k, v, backend=b), (q, k, v), ()),
         "causal+padding": (
@@ -40,6 +43,9 @@ def _attention_cases():
                 q, k, v, softcap=3.0, return_lse=True, backend=b)]),
             (q, k, v), ("torch",),
         ),
+        # the torch backend's dense form of the mask once branched on its values (issue #82)
+        "block mask": (lambda b: fusedattn.attention(q, k, v, block_mask=bm, backend=b),
+                       (q, k, v), ()),
     }  # fmt: skip
 
 

@@ -78,27 +78,27 @@ class BlockMask:
 
     def to_dense(self) -> torch.Tensor:
         """(Bm, Hm, Q_LEN, KV_LEN) bool, True where a query sees a key: O(Q_LEN x KV_LEN)
-        memory, what the reference and torch backends run."""
+        memory, what the reference and torch backends run. No op depends on the lists'
+        values for its shape (no nonzero, no branch on a tensor), so torch.compile traces
+        it in one graph: each row's kinds are scattered to its block columns (unlisted
+        slots to a spare column, dropped), full blocks set whole, partial ones read from
+        their unpacked bits."""
         Bm, Hm, nqb, width = self.kv_lists.shape
+        nkb = width - 1
         bsq, bsk = self.block_size
         Q_LEN, KV_LEN = self.seq_lengths
-        dense = torch.zeros(Bm, Hm, nqb * bsq, (width - 1) * bsk, dtype=torch.bool,
-                            device=self.device)  # fmt: skip
-        blocks = dense.view(Bm, Hm, nqb, bsq, width - 1, bsk)
-        counts = self.kv_lists[..., 0]
-        slot = torch.arange(width - 1, device=self.device)
-        listed = slot < counts[..., None]  # (Bm, Hm, nqb, nKB)
-        b, h, r, i = listed.nonzero(as_tuple=True)
-        c = self.kv_lists[b, h, r, 1 + i].long()
-        kind = self.kv_kinds[b, h, r, 1 + i].long()
-        full = kind < 0
-        blocks[b[full], h[full], r[full], :, c[full], :] = True
-        part = ~full
-        if part.any():
-            words = self.bits[kind[part]]  # (P, bsq, bsk // 32)
+        slot = torch.arange(nkb, device=self.device)
+        listed = slot < self.kv_lists[..., :1]  # (Bm, Hm, nqb, nKB)
+        cols = torch.where(listed, self.kv_lists[..., 1:].long(), nkb)
+        kinds = torch.where(listed, self.kv_kinds[..., 1:].long(), -2)
+        grid = torch.full((Bm, Hm, nqb, nkb + 1), -2, dtype=torch.long, device=self.device)
+        grid = grid.scatter(-1, cols, kinds)[..., :nkb]  # -2 empty, -1 full, >= 0 partial
+        blocks = (grid == -1)[..., None, None].expand(Bm, Hm, nqb, nkb, bsq, bsk)
+        if self.bits.shape[0]:
             shifts = torch.arange(32, device=self.device, dtype=torch.int32)
-            unpacked = ((words[..., None] >> shifts) & 1).bool().flatten(-2)  # (P, bsq, bsk)
-            blocks[b[part], h[part], r[part], :, c[part], :] = unpacked
+            unpacked = ((self.bits[..., None] >> shifts) & 1).bool().flatten(-2)  # (P, bsq, bsk)
+            blocks = blocks | ((grid >= 0)[..., None, None] & unpacked[grid.clamp(min=0)])
+        dense = blocks.permute(0, 1, 2, 4, 3, 5).reshape(Bm, Hm, nqb * bsq, nkb * bsk)
         return dense[:, :, :Q_LEN, :KV_LEN]
 
     def __repr__(self) -> str:
