@@ -14,6 +14,9 @@ from fusedattn.ops.core import backends
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+BACKENDS_DOC = README.parent / "docs" / "backends.md"
+
+
 def test_the_readme_block_is_what_the_code_generates():
     text = README.read_text(encoding="utf-8")
     block = text.split(support.START, 1)[1].split(support.END, 1)[0]
@@ -22,10 +25,21 @@ def test_the_readme_block_is_what_the_code_generates():
     )
 
 
+def test_the_refusals_in_docs_backends_are_what_the_code_generates():
+    text = BACKENDS_DOC.read_text(encoding="utf-8")
+    block = text.split(support.REFUSALS_START, 1)[1].split(support.REFUSALS_END, 1)[0]
+    assert block.strip() == support.refusals_markdown().strip(), (
+        "docs/backends.md's refusals are stale: run python -m fusedattn.support --refusals "
+        "docs/backends.md"
+    )
+
+
 def test_every_refusal_the_torch_backend_words_is_listed():
     """The refusals the issue found missing (return_lse on torch) come from the code itself."""
     table = support.markdown()
-    assert "torch, return_lse: torch's scaled_dot_product_attention does not return" in table
+    assert "torch, return_lse: torch's scaled_dot_product_attention does not return" in (
+        support.refusals_markdown()
+    )
     row = next(line for line in table.splitlines() if line.startswith("| return_lse |"))
     assert row.split("|")[3].strip() == support.NO  # the torch column
 
@@ -45,7 +59,7 @@ def test_a_new_refusal_shows_up_in_the_table(monkeypatch):
     table = support.markdown()
     row = next(line for line in table.splitlines() if line.startswith("| dropout |"))
     assert row.split("|")[2].strip() == support.NO
-    assert "- reference, dropout: no dropout here" in table
+    assert "- reference, dropout: no dropout here" in support.refusals_markdown()
 
 
 def test_taking_the_inputs_runs_no_backend():
@@ -65,7 +79,7 @@ def test_every_decode_refusal_the_code_makes_has_a_row():
     table lists (it missed torch's half-precision ALiBi and sinks of another dtype, and
     Triton's fp64 and head dims past 256)."""
     listed = set()
-    for line in support.markdown().splitlines():  # "- backend, feature: reason"
+    for line in support.refusals_markdown().splitlines():  # "- backend, feature: reason"
         backend, _, rest = line[2:].partition(", ")
         feature, _, reason = rest.partition(": ")
         if line.startswith("- ") and feature.startswith(("decode", "attention_with_kvcache")):

@@ -8,7 +8,8 @@ backend's refusal function then says whether it takes them. Reasons that depend 
 nothing about the feature, so the table is the same on every machine.
 
     python -m fusedattn.support                 # print the table and the refusals (markdown)
-    python -m fusedattn.support --update README.md   # rewrite the README's block
+    python -m fusedattn.support --update README.md --refusals docs/backends.md
+                                                # rewrite the README's table, the doc's list
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .ops.core import backends, kernels
 
 START = "<!-- support-matrix:start (python -m fusedattn.support --update README.md) -->"
 END = "<!-- support-matrix:end -->"
+REFUSALS_START = "<!-- refusals:start (python -m fusedattn.support --refusals docs/backends.md) -->"
+REFUSALS_END = "<!-- refusals:end -->"
 YES, NO, NONE = "✓", "✗", "—"
 
 
@@ -237,8 +240,8 @@ def feature_refusals(feature: Feature) -> dict[str, list[str] | None]:
     return result
 
 
-def markdown() -> str:
-    """The table (features x backends) and, under it, every refusal with its reason."""
+def _rows() -> tuple[list[str], list[str]]:
+    """(the table's rows, every refusal as "- backend, feature: reason")."""
     header = "| feature | " + " | ".join(backends.BACKENDS) + " |"
     lines = [header, "|---" * (len(backends.BACKENDS) + 1) + "|"]
     notes = []
@@ -254,11 +257,23 @@ def markdown() -> str:
                 cells.append(YES)
         lines.append(f"| {feature.name} | " + " | ".join(cells) + " |")
     lines.append(_context_parallel_row())
+    return lines, notes
+
+
+def markdown() -> str:
+    """The table (features x backends) and its legend: the README's block."""
+    lines, _ = _rows()
     legend = (
         f"{YES} runs, {NO} refused with a clear error (`auto` picks another backend), "
-        f"{NONE} no implementation."
+        f"{NONE} no implementation. Every refusal as the code words it: "
+        "[docs/backends.md](docs/backends.md#refusals-as-the-code-words-them)."
     )
-    return "\n".join([*lines, "", legend, "", "Refusals, as the code words them:", "", *notes])
+    return "\n".join([*lines, "", legend])
+
+
+def refusals_markdown() -> str:
+    """Every ✗ of the table with its reason, as the code words it: docs/backends.md's block."""
+    return "\n".join(_rows()[1])
 
 
 def _context_parallel_row() -> str:
@@ -289,15 +304,21 @@ def update(path: str) -> bool:
     return update_block(path, START, END, markdown())
 
 
+def update_refusals(path: str) -> bool:
+    """Rewrite the refusals between REFUSALS_START and REFUSALS_END in `path`."""
+    return update_block(path, REFUSALS_START, REFUSALS_END, refusals_markdown())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--update", metavar="README", help="rewrite this file's block")
+    parser.add_argument("--update", metavar="README", help="rewrite this file's table")
+    parser.add_argument("--refusals", metavar="DOC", help="rewrite this file's refusals")
     args = parser.parse_args(argv)
-    if args.update:
-        changed = update(args.update)
-        print(f"{args.update}: {'updated' if changed else 'already current'}")
-    else:
-        print(markdown())
+    for path, fn in ((args.update, update), (args.refusals, update_refusals)):
+        if path:
+            print(f"{path}: {'updated' if fn(path) else 'already current'}")
+    if not (args.update or args.refusals):
+        print(markdown() + "\n\nRefusals, as the code words them:\n\n" + refusals_markdown())
     return 0
 
 
