@@ -15,15 +15,18 @@ runs; the backends then see sequence b's keys at cache positions
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ... import invariance
 from ...checks import check_kvcache_args, check_tensor
 from ..core import backends
 from ..core.plans import tracing
-from ..shared.decode_launch import NO_DESCALES, key_mask_bounds
+from ..shared.decode_launch import (  # noqa: F401 (CHECK_VALUES_ENV: the switch's name)
+    CHECK_VALUES_ENV,
+    NO_DESCALES,
+    key_mask_bounds,
+    values_checked,
+)
 from . import custom_ops, plans, reference_backend, torch_backend, triton_backend
 
 backends.register("attention_with_kvcache", "reference", reference_backend.attention,
@@ -144,19 +147,6 @@ def attention_with_kvcache(
     plans.PLANS.remember(plan_key, plan)
     return plan(q, k_cache, v_cache, k, v, seqlens, block_table, cache_leftpad, alibi_slopes,
                 sinks, descales)  # fmt: skip
-
-
-CHECK_VALUES_ENV = "FUSEDATTN_CHECK_VALUES"
-
-
-def values_checked(on_gpu: bool, backend: str, environ=os.environ) -> bool:
-    """Whether attention_with_kvcache reads its lengths and block table to the host to check
-    them: always on the CPU and in the reference and torch backends (they index with them);
-    for the Triton kernels on a GPU only with FUSEDATTN_CHECK_VALUES=1, since the sync would
-    stall every decode step and break CUDA-graph capture (the kernels clamp what they read
-    to the cache, the block table and the lengths, so bad values give a wrong answer for
-    that sequence, never an access outside them)."""
-    return not on_gpu or backend != "triton" or environ.get(CHECK_VALUES_ENV, "") == "1"
 
 
 def _inputs(q, k_cache, v_cache, seqlens_k, block_table, cache_leftpad, key_mask, scale, window,

@@ -10,6 +10,7 @@ a plan keeps them for every later call with that metadata (decode/plans.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -28,6 +29,19 @@ def descale_strides(descale) -> tuple[int, int]:
     if descale is None or descale.numel() == 1:
         return 0, 0
     return descale.stride(0), descale.stride(1)
+
+
+CHECK_VALUES_ENV = "FUSEDATTN_CHECK_VALUES"
+
+
+def values_checked(on_gpu: bool, backend: str, environ=os.environ) -> bool:
+    """Whether attention_with_kvcache (and the MLA decode) reads its lengths and block table to
+    the host to check them: always on the CPU and in the reference and torch backends (they index with them);
+    for the Triton kernels on a GPU only with FUSEDATTN_CHECK_VALUES=1, since the sync would
+    stall every decode step and break CUDA-graph capture (the kernels clamp what they read
+    to the cache, the block table and the lengths, so bad values give a wrong answer for
+    that sequence, never an access outside them)."""
+    return not on_gpu or backend != "triton" or environ.get(CHECK_VALUES_ENV, "") == "1"
 
 
 INTERPRETER_SMS = 4  # what the CPU interpreter pretends to have, so num_splits=0 splits there
