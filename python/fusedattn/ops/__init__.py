@@ -4,7 +4,7 @@ One package per op family, each laid out the same way, on two shared layers (an 
 "imports"; nothing imports upward, and no family imports another):
 
     ops/__init__.py           the public functions, re-exported
-      attention/  decode/  rowwise/  linear/  the op families
+      attention/  decode/  mla/  rowwise/  linear/  the op families
         api.py                public functions, dispatch, the backends' registration
         plans.py              eager calls' plans
         <name>_backend.py     one file per backend: reference, torch, triton, cuda
@@ -25,6 +25,7 @@ from .attention.api import attention, varlen_attention
 from .core.backends import BackendUnavailableError, available_backends
 from .decode.api import attention_with_kvcache
 from .linear.api import linear
+from .mla.api import mla_attention_with_kvcache
 from .rowwise.api import layer_norm, rms_norm, softmax
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "available_backends",
     "layer_norm",
     "linear",
+    "mla_attention_with_kvcache",
     "rms_norm",
     "softmax",
     "varlen_attention",

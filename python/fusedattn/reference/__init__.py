@@ -1,7 +1,7 @@
 """Naive O(T²) twins of every fusedattn op, with the same signatures and semantics.
 
-`attention`, `varlen_attention`, `attention_with_kvcache`, `layer_norm`, `rms_norm`,
-`softmax` and `linear` are the correctness references and the baseline the benchmarks beat;
+`attention`, `varlen_attention`, `attention_with_kvcache`, `mla_attention_with_kvcache`,
+`layer_norm`, `rms_norm`, `softmax` and `linear` are the correctness references and the baseline the benchmarks beat;
 `modules` holds naive twins of the drop-in modules (torch's interfaces and state_dicts,
 computed by these ops) and `transformer` the reference model built from them.
 
@@ -10,11 +10,12 @@ modules (checks, masks, cache_layout, autocast, nn_interfaces), never fusedattn.
 fusedattn.modules, deferred imports included (tests/test_import_graph.py).
 """
 
-from . import decode
+from . import decode, mla
 from .attention import attention, varlen_attention
 from .decode import attention_with_kvcache
 from .layernorm import layer_norm
 from .linear import linear
+from .mla import mla_attention_with_kvcache
 from .rmsnorm import rms_norm
 from .softmax import softmax
 
@@ -24,6 +25,8 @@ __all__ = [
     "decode",
     "layer_norm",
     "linear",
+    "mla",
+    "mla_attention_with_kvcache",
     "rms_norm",
     "softmax",
     "varlen_attention",

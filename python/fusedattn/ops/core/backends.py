@@ -27,6 +27,7 @@ OPS = (
     "attention",
     "varlen_attention",
     "attention_with_kvcache",
+    "mla_attention_with_kvcache",
     "layer_norm",
     "rms_norm",
     "softmax",
@@ -47,7 +48,10 @@ OPS = (
 # decode buckets).
 AUTO_ORDER = {
     "cuda": {op: ("torch", "triton", "cuda", "reference") for op in OPS}
-    | {"attention_with_kvcache": ("triton", "torch", "reference")},
+    | {
+        op: ("triton", "torch", "reference")
+        for op in ("attention_with_kvcache", "mla_attention_with_kvcache")
+    },
     "cpu": {op: ("torch", "reference") for op in OPS},
 }
 
