@@ -1,0 +1,110 @@
+"""FlashMLA's Python API (deepseek-ai/FlashMLA, `flash_mla`), running fusedattn's MLA decode
+(`fusedattn.mla_attention_with_kvcache`) on any GPU Triton supports, so code written for
+FlashMLA runs unmodified:
+
+    from fusedattn.compat.flash_mla import get_mla_metadata, flash_mla_with_kvcache
+    sched_meta, _ = get_mla_metadata()          # or the older (cache_seqlens, s_q * h_q // h_kv, h_kv)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, sched_meta,
+                                      causal=True)
+
+FlashMLA's names, shapes and return values, and its conventions where they differ from
+fusedattn's: the lse of a row that sees no key is +inf (fusedattn's: -inf); the scale
+defaults to 1/sqrt(head_dim); a scheduling object is reused only for calls of the same shapes
+and options (asserted, as FlashMLA asserts). Where FlashMLA takes page size 64 only, Hopper or
+Blackwell only and 64 or 128 heads only, this takes any page size, any GPU Triton runs on and
+any head count. Not yet here: the sparse (`indices`) and fp8 (`is_fp8_kvcache`) modes and
+`flash_mla_sparse_fwd` (refused by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..ops import mla_attention_with_kvcache
+
+__all__ = ["FlashMLASchedMeta", "flash_mla_with_kvcache", "get_mla_metadata"]
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """FlashMLA's scheduling metadata: filled at the first call that uses it (fusedattn keeps
+    the call's shapes and options there, to check that a reuse matches, as FlashMLA does)."""
+
+    have_initialized: bool = False
+    config: tuple | None = None
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+    """An empty FlashMLASchedMeta and None, as FlashMLA's current interface returns; the older
+    arguments (cache_seqlens, num_heads_per_head_k, num_heads_k) are accepted and unused."""
+    return FlashMLASchedMeta(), None
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits=None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's dense decode: q (batch_size, seq_len_q, num_heads_q, head_dim), k_cache
+    (num_blocks, page_block_size, num_heads_k = 1, head_dim), block_table (batch_size,
+    max_num_blocks_per_seq) int32, cache_seqlens (batch_size,) int32. Returns out (batch_size,
+    seq_len_q, num_heads_q, head_dim_v) and softmax_lse (batch_size, num_heads_q, seq_len_q)
+    float32. num_splits: None, or the tensor older callers got from get_mla_metadata (unused:
+    the split is picked per call)."""
+    sparse = {"indices": indices, "extra_k_cache": extra_k_cache,
+              "extra_indices_in_kvcache": extra_indices_in_kvcache, "topk_length": topk_length,
+              "extra_topk_length": extra_topk_length}  # fmt: skip
+    given = [name for name, value in sparse.items() if value is not None]
+    if given:
+        raise ValueError(f"fusedattn.compat.flash_mla: sparse attention ({', '.join(given)}) "
+                         "is not implemented yet; the dense decode is")  # fmt: skip
+    if attn_sink is not None:  # FlashMLA's dense decode asserts it None as well
+        raise ValueError("flash_mla_with_kvcache: attn_sink must be None when dense attention "
+                         "is used (as in FlashMLA)")  # fmt: skip
+    if is_fp8_kvcache:
+        raise ValueError("fusedattn.compat.flash_mla: is_fp8_kvcache (FlashMLA's fp8 layout) "
+                         "is not implemented yet; fusedattn.mla_attention_with_kvcache reads "
+                         "e4m3/e5m2 caches with kv_descale")  # fmt: skip
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise AssertionError("tile_scheduler_metadata must be of type FlashMLASchedMeta")
+    if block_table is None or cache_seqlens is None:
+        raise AssertionError("block_table and cache_seqlens must be provided when dense "
+                             "attention is used.")  # fmt: skip
+    config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
+              bool(causal), bool(is_fp8_kvcache))  # fmt: skip
+    meta = tile_scheduler_metadata
+    if not meta.have_initialized:
+        meta.have_initialized, meta.config = True, config
+    elif meta.config != config:
+        raise AssertionError(
+            f"sched_meta was made for (b, s_q, h_q, page_block_size, h_k, causal, "
+            f"is_fp8_kvcache) = {meta.config}, this call is {config}: your input arguments are "
+            "inconsistent with sched_meta (reuse it only across calls of the same shapes)"
+        )
+    if k_cache.dim() != 4 or k_cache.shape[2] != 1:
+        raise ValueError(f"k_cache must be (num_blocks, page_block_size, 1, head_dim), got "
+                         f"{tuple(k_cache.shape)}")  # fmt: skip
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    out, lse = mla_attention_with_kvcache(
+        q, k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        head_dim_v=head_dim_v, scale=softmax_scale, is_causal=causal, return_lse=True,
+    )  # fmt: skip
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
