@@ -67,25 +67,27 @@ from fusedattn import invariance
 from fusedattn.fp8 import quantize
 from fusedattn.ops.core import backends
 
+from . import vllm_mla
+from .vllm_common import (
+    BACKEND_ENV,
+    FP8_CACHE_DTYPES,
+    INVARIANT_ENV,
+    SELECT_ENV,
+    chosen_backend,
+    invariance_requested,
+)
+
 # Under vLLM's logger: its configuration (handlers, VLLM_LOGGING_LEVEL) reaches only "vllm.*"
 logger = init_logger("vllm.plugins.fusedattn")
-SELECT_ENV = "FUSEDATTN_VLLM"
-BACKEND_ENV = "FUSEDATTN_VLLM_BACKEND"
-INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
-BACKENDS = ("auto", "triton", "torch", "reference", "cuda")
 CLASS_PATH = f"{__name__}.FusedAttentionBackend"
-# vLLM's cache dtype names and the fp8 types fusedattn reads them as.
-FP8_CACHE_DTYPES = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: `CUSTOM` names fusedattn; with
-    FUSEDATTN_VLLM=1 the platform's default backend does too (vLLM's CPU platform)."""
+    """The `vllm.general_plugins` entry point: `CUSTOM` names fusedattn, `FUSEDATTN_MLA` and the
+    CUSTOM MLA prefill slot its MLA backends (vllm_mla.py); with FUSEDATTN_VLLM=1 the
+    platform's default backends do too (vLLM's CPU platform)."""
     register_backend(AttentionBackendEnum.CUSTOM, CLASS_PATH)
+    vllm_mla.register()
     if os.environ.get(SELECT_ENV, "0") not in ("", "0"):
         enable()
 
@@ -94,6 +96,7 @@ def enable() -> None:
     """Serve every attention layer that vLLM's platform would give its default backend on
     fusedattn: on the CPU, `CPU_ATTN`; elsewhere `--attention-backend CUSTOM` is the switch."""
     register_backend(AttentionBackendEnum.CUSTOM, CLASS_PATH)
+    vllm_mla.enable()
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CLASS_PATH)
     _forget_selections()
@@ -102,6 +105,7 @@ def enable() -> None:
 def disable() -> None:
     """Undo `enable()` for engines created afterwards (`CUSTOM` stays registered)."""
     AttentionBackendEnum.CPU_ATTN.clear_override()
+    vllm_mla.disable()
     _forget_selections()
 
 
@@ -111,14 +115,6 @@ def _forget_selections() -> None:
     from vllm.v1.attention import selector
 
     selector._cached_get_attn_backend.cache_clear()
-
-
-def chosen_backend() -> str:
-    """fusedattn's backend for the served calls (FUSEDATTN_VLLM_BACKEND, default auto)."""
-    name = os.environ.get(BACKEND_ENV, "auto") or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={name!r}: expected one of {', '.join(BACKENDS)}")
-    return name
 
 
 class FusedAttentionBackend(AttentionBackend):
@@ -265,7 +261,7 @@ class FusedAttentionImpl(AttentionImpl[FusedAttentionMetadata]):
             refuse.append(f"kv_cache_dtype={kv_cache_dtype!r} (auto, float16, bfloat16 and "
                           f"{', '.join(FP8_CACHE_DTYPES)} are read)")  # fmt: skip
         backend = chosen_backend()
-        if os.environ.get(INVARIANT_ENV, "0") not in ("", "0"):
+        if invariance_requested():
             if backend in ("torch", "cuda"):
                 refuse.append(f"{INVARIANT_ENV}=1 with {BACKEND_ENV}={backend} (that backend is "
                               "not batch invariant; triton or auto is)")  # fmt: skip
