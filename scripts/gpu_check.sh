@@ -48,6 +48,14 @@
 #           0's bits alone against in the batch (targets: <= 10 % slower at B >= 8; B=1 32k
 #           >= 70 % of the copy rate); fusedattn.linear's invariant matmul against cuBLAS on
 #           Llama-3-8B's projections at M = 1, 8, 64, 4096 (tests/test_linear.py runs first)
+#   mla     build mla-tests bench-mla (issue #83, one call of at most 8 minutes): the MLA
+#           tests on the compiled latent kernel (DeepSeek's 512 + 64, pages 1 to 64, fp8,
+#           splits, batch invariance, the 192/128 prefill through varlen_attention), then
+#           benchmarks/bench_mla.py: decode at Hq = 16 and 128, B = 1, 8, 64, 128, caches of
+#           4k and 32k, bf16 and fp8, pages 64 and 16, against the copy rate, the 2176 FLOP per
+#           key x head arithmetic and vLLM's TRITON_MLA kernel where vLLM is installed
+#           (targets: memory-bound >= 80 % of copy, Hq = 128 >= 330 TFLOP/s, fp8 >= 1.7x bf16
+#           at B >= 8)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
@@ -85,6 +93,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   models) steps=" build info bench-models profile-bert512 " ;;
   flex) steps=" build flex-tests bench-flex " ;;
   invariant) steps=" build invariant-tests bench-invariant " ;;
+  mla) steps=" build mla-tests bench-mla " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
 status=0
@@ -253,6 +262,9 @@ step bench-flex 300 $PYTHON benchmarks/bench_flex.py --out "$out_dir"
 step invariant-tests 150 env FUSEDATTN_SPLIT_KEYS=64 $PYTHON -m pytest \
   -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short tests/test_batch_invariance.py tests/test_linear.py
 step bench-invariant 240 $PYTHON benchmarks/bench_invariant.py --out "$out_dir"
+step mla-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
+  tests/test_mla.py
+step bench-mla 300 $PYTHON benchmarks/bench_mla.py --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"
 # issue #62: vLLM's CUDA build serving a random Llama (Llama-3-8B's attention, 8 layers) on

@@ -763,3 +763,35 @@ def test_invariant_benchmark_times_decoding_with_the_switch_off_and_on_and_check
     ]  # fmt: skip
     assert all("alone == among the" in r["note"] and ": True" in r["note"] for r in matmul[1::2])
     assert not invariance.enabled()  # the switch restored
+
+
+def test_mla_benchmark_runs_each_path_on_the_cpu():
+    """bench_mla.py on the CPU: one tiny latent-cache call per path (the GPU preset `mla`
+    times the Triton kernel against the copy rate and vLLM's TRITON_MLA)."""
+    import bench_mla
+
+    rows = bench_mla.run(True, torch.device("cpu"), {"device": "cpu"})
+    assert [r["impl"] for r in rows] == ["fusedattn-torch", "fusedattn-reference"]
+    assert all(r["op"] == "mla-decode" and float(r["ms"]) > 0 for r in rows)
+    assert bench_mla.FLOP_PER_KEY == 2176  # 2 x (576 + 512): the issue's arithmetic
+
+
+def test_static_mla_screen_lays_out_the_kernels_parameters(monkeypatch):
+    """scripts/static_mla.py builds mla_decode's arguments by hand: each case binds to the
+    kernel's signature, with the shipped tiles and with candidates."""
+    import inspect
+
+    from fusedattn.triton_kernels import mla as K
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("static_mla", ROOT / "scripts" / "static_mla.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    signature = inspect.signature(K.mla_decode.fn)
+    for name in module.CASES:
+        for tiles in (None, module.parse_tiles("32x64w8s3")):
+            args, constexprs, _ = module.launch_args(name, tiles)
+            kernel_args = {k: v for k, v in constexprs.items()
+                           if k not in ("num_warps", "num_stages")}  # fmt: skip
+            bound = signature.bind(*args, **kernel_args)
+            assert set(bound.arguments) == set(signature.parameters), name
