@@ -53,7 +53,7 @@ def launch_args(name: str, tiles=None):
 
     c = CASES[name]
     Hq, page, Tq = c["Hq"], c["page"], c.get("Tq", 1)
-    cfg = K.mla_config(Hq * Tq, DL, DR, True)
+    cfg = K.mla_config(Hq * Tq, DL, DR, True, bool(c.get("fp8")))
     bm, bn, warps, stages = tiles or (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
     B = 1
     cache_dtype = torch.float8_e4m3fn if c.get("fp8") else torch.bfloat16

@@ -45,18 +45,24 @@ class MLAConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def mla_config(rows: int, Dv: int, Dr: int, on_gpu: bool) -> MLAConfig:
-    """Tiles for Hq * Tq rows and Dv + Dr columns (pure; tested). The accumulator is BLOCK_M x
-    BLOCK_V fp32: 16 x 512 is 64 registers a thread at 4 warps (a 64 x 512 one would not fit
-    one warpgroup), so a GPU takes 16 rows a program and more programs for more heads; 32 keys
-    a tile (32 x 576 x 2 B = 36 KB a stage, two stages). Untimed (the `mla` preset of
-    scripts/gpu_check.sh decides). The interpreter takes 16 keys so tests cross tiles, pages
-    and splits at small sizes."""
+def mla_config(rows: int, Dv: int, Dr: int, on_gpu: bool, fp8: bool = False) -> MLAConfig:
+    """Tiles for Hq * Tq rows and Dv + Dr columns (pure; tested). From the sm_90 screen at
+    DeepSeek's 512 + 64 (scripts/static_mla.py, benchmarks/results/sm90-static/mla.csv): the
+    accumulator is BLOCK_M x BLOCK_V fp32, so 64 rows take 8 warps (128 registers a thread
+    for it); 64 x 32 with 8 warps compiles to wgmma with no spills (234 registers, 896 SASS
+    instructions per key tile: 0.44 per row x key) and serves 64 rows and more (Hq = 128, or
+    MTP); below 64 rows, and over an fp8 cache (64 x 32 spilled 256 B there), 32 x 32 with 8
+    warps (mma.sync, 186 registers bf16 / 232 fp8, no spills, 775 instructions a tile: fewer
+    than 16 x 32 with 4 warps' 962 even with half its rows idle at Hq = 16); 16 x 64 spilled.
+    Two stages. Untimed (the `mla` preset of scripts/gpu_check.sh decides). The interpreter
+    takes 16 x 16 tiles so tests cross tiles, pages and splits at small sizes."""
     block_v = max(16, triton.next_power_of_2(Dv))
     block_r = max(16, triton.next_power_of_2(max(Dr, 1)))
     if not on_gpu:
         return MLAConfig(16, 16, block_v, block_r, 1, 1)
-    return MLAConfig(16, 32, block_v, block_r, 4, 2)
+    if rows >= 64 and not fp8:
+        return MLAConfig(64, 32, block_v, block_r, 8, 2)
+    return MLAConfig(32, 32, block_v, block_r, 8, 2)
 
 
 @triton.jit

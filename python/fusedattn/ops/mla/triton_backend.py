@@ -47,11 +47,12 @@ class TritonMLA:
         K = kernels("mla")
         B, Tq, Hq = q.shape[:3]
         rows = Hq * Tq
-        cfg = K.mla_config(rows, Dv, Dr, q.is_cuda)
+        cfg = K.mla_config(rows, Dv, Dr, q.is_cuda, is_fp8(kv_cache))
         capacity = kvcache_capacity(kv_cache, block_table)
         invariant_split = 0
-        if invariance.enabled():  # splits at fixed key positions, the ordered combine
-            cfg = dataclasses.replace(cfg, block_m=16)
+        if invariance.enabled():  # splits at fixed key positions, the ordered combine, one
+            # query-block height for every call (a row's products never follow Hq x Tq)
+            cfg = dataclasses.replace(cfg, block_m=16 if not q.is_cuda else 32)
             invariant_split = max(1, invariance.split_keys(q.is_cuda) // cfg.block_n)
             num_splits = max(1, -(-capacity // (invariant_split * cfg.block_n)))
         m_blocks = -(-rows // cfg.block_m)
