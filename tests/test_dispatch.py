@@ -113,9 +113,10 @@ def test_available_backends_on_cpu(monkeypatch):
     assert fusedattn.available_backends("cpu") == ["reference", "torch", "triton"]
     report = backends.backend_report("cpu")
     assert set(report) == {
-        "attention", "varlen_attention", "attention_with_kvcache", "layer_norm", "rms_norm",
-        "softmax", "linear",
+        "attention", "varlen_attention", "attention_with_kvcache", "mla_attention_with_kvcache",
+        "layer_norm", "rms_norm", "softmax", "linear",
     }  # fmt: skip
+    assert report["mla_attention_with_kvcache"]["cuda"]  # no CUDA C++ MLA kernel: said so
     assert report["attention"]["reference"] == [] and report["attention"]["torch"] == []
     assert report["softmax"]["triton"] == [] and report["layer_norm"]["triton"] == []
     assert report["attention"]["triton"] == [] and report["softmax"]["cuda"]
