@@ -161,6 +161,14 @@ def compile_one(tool_path: str, name: str) -> dict:
     return row
 
 
+def screen_row(tool, compiled, **fields) -> dict:
+    """A screen's row: the given fields, the tool's report (registers, spills, shared memory,
+    instruction counts) and the loop summary."""
+    row = dict(fields) | {k: v for k, v in tool.report(compiled).items() if k != "name"}
+    row["loops"] = loop_summary(tool, compiled)
+    return row
+
+
 def loop_summary(tool, compiled) -> str:
     """The instruction mix of each innermost SASS loop holding matrix instructions."""
     return " | ".join(

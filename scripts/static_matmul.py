@@ -13,7 +13,7 @@ with TF32 allowed. Each compiles in its own process.
 from __future__ import annotations
 
 from static_attention import run_screen, screen_parser, write_csv
-from static_decode import _load_tool, loop_summary
+from static_decode import _load_tool, screen_row
 
 CASES = {"bf16": ("bfloat16", "tf32"), "fp32_ieee": ("float32", "ieee"),
          "fp32_tf32": ("float32", "tf32")}  # fmt: skip
@@ -48,10 +48,7 @@ def compile_one(tool_path: str, case: str, tiles: str | None) -> dict:
         HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         PRECISION=precision, DOT_IN_FP32=False, num_warps=warps, num_stages=stages, grid=(1,),
     )  # fmt: skip
-    row = dict(case=case, tiles=f"{bm}x{bn}x{bk}w{warps}s{stages}")
-    row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
-    row["loops"] = loop_summary(tool, compiled)
-    return row
+    return screen_row(tool, compiled, case=case, tiles=f"{bm}x{bn}x{bk}w{warps}s{stages}")
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ import re
 import sys
 
 from static_attention import run_screen, screen_parser, write_csv
-from static_decode import _load_tool, loop_summary
+from static_decode import _load_tool, screen_row
 
 DL, DR, S = 512, 64, 32768
 CASES = {
@@ -92,10 +92,7 @@ def compile_one(tool_path: str, name: str, tiles=None) -> dict:
 
     args, constexprs, label = launch_args(name, tiles)
     compiled = K.mla_decode.warmup(*args, grid=(1,), **constexprs)
-    row = dict(case=name, tiles=label)
-    row |= {k: v for k, v in tool.report(compiled).items() if k != "name"}
-    row["loops"] = loop_summary(tool, compiled)
-    return row
+    return screen_row(tool, compiled, case=name, tiles=label)
 
 
 def main(argv=None) -> int:
