@@ -123,7 +123,7 @@ def attention_rows(env, device, T: int) -> list[dict]:
             impls["fusedattn-varlen"] = varlen
         if name == "causal":
             impls["fusedattn-causal"] = lambda leaves: fusedattn.attention(*leaves, is_causal=True)
-        visible = ours.to_dense().sum().item() if T <= 16384 else None
+        visible = ours.dense_mask().sum().item() if T <= 16384 else None
         for mode in ("fwd", "fwd+bwd"):
             leaves = [t.detach().requires_grad_(mode != "fwd") for t in (q, k, v)]
             times = {}

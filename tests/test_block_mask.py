@@ -110,7 +110,7 @@ def test_the_builder_gives_the_mask_mod_in_both_orientations(name):
     mask_mod = factory()
     bm = create_block_mask(mask_mod, B, H, Tq, Tk, BLOCK_SIZE=BS)
     want = dense_of(mask_mod, B or 1, H or 1, Tq, Tk)
-    assert torch.equal(bm.to_dense(), want)
+    assert torch.equal(bm.dense_mask(), want)
     # the q orientation lists the same blocks as the kv orientation, transposed
     for lists, kinds, other in (
         (bm.kv_lists, bm.kv_kinds, bm.q_lists),
@@ -150,7 +150,7 @@ def _qkv(B, H, Tq, Tk, D=16, Hkv=None, dtype=torch.float32, seed=0):
 
 def _reference_op(block_mask, **kw):
     def op(q, k, v, attn_mask=None, **tensors):
-        dense = block_mask.to(q.device).to_dense()
+        dense = block_mask.to(q.device).dense_mask()
         if attn_mask is not None:
             dense = (
                 attn_mask & dense
@@ -240,7 +240,7 @@ def test_a_causal_block_mask_equals_is_causal_and_dropout_follows_the_dense_mask
     torch.manual_seed(7)
     a = fusedattn.attention(**t, block_mask=bm, dropout_p=0.3, backend="triton")
     torch.manual_seed(7)
-    b = fusedattn.attention(**t, attn_mask=_here(bm.to_dense()), dropout_p=0.3, backend="triton")
+    b = fusedattn.attention(**t, attn_mask=_here(bm.dense_mask()), dropout_p=0.3, backend="triton")
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -293,7 +293,7 @@ def test_wrong_sizes_and_the_cuda_backend_are_refused_before_any_launch():
     with pytest.raises(ValueError, match="block_mask: the CUDA attention"):
         fusedattn.attention(**_qkv(1, 2, 64, 64), block_mask=bm, backend="cuda")
     with pytest.raises(TypeError, match="block_mask must be"):
-        fusedattn.attention(**_qkv(1, 2, 64, 64), block_mask=bm.to_dense())
+        fusedattn.attention(**_qkv(1, 2, 64, 64), block_mask=bm.dense_mask())
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
         create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, BLOCK_SIZE=48)
 
@@ -307,9 +307,9 @@ def test_torch_block_masks_are_converted_once_and_give_the_same_result():
 
     converted = from_torch(torch_bm)
     assert from_torch(torch_bm) is converted  # kept with the object
-    assert torch.equal(converted.to_dense(), ours.to_dense())
+    assert torch.equal(converted.dense_mask(), ours.dense_mask())
     torch_and = flex.and_masks(document_causal([40, 60]), lambda b, h, q, kv: kv < 4)
-    assert torch.equal(create_block_mask(torch_and, None, None, 100, 100, BLOCK_SIZE=BS).to_dense(),
+    assert torch.equal(create_block_mask(torch_and, None, None, 100, 100, BLOCK_SIZE=BS).dense_mask(),
                        dense_of(torch_and, 1, 1, 100, 100))  # fmt: skip
     t = _qkv(1, 2, 100, 100)
     got = fusedattn.attention(**t, block_mask=torch_bm, backend="triton")
@@ -339,7 +339,7 @@ def test_compiled_block_mask_attention_is_one_graph_with_eagers_result():
 
 def test_the_flex_attention_import_gives_torchs_flex_attention_without_a_compile():
     """fusedattn.compat.flex_attention against torch's own flex_attention (eager, on the CPU)
-    on the same torch BlockMask and on fusedattn's; score_mod refused, naming it."""
+    on the same torch BlockMask and on fusedattn's."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     from fusedattn.compat import flex_attention as compat
 
@@ -361,8 +361,6 @@ def test_the_flex_attention_import_gives_torchs_flex_attention_without_a_compile
                                          return_lse=True)  # fmt: skip
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="score_mod"):
-        compat.flex_attention(t["q"], t["k"], t["v"], score_mod=lambda s, b, h, q, kv: s)
 
 
 def test_the_fp8_forward_with_a_block_mask_equals_it_with_the_dense_mask():
@@ -379,7 +377,7 @@ def test_the_fp8_forward_with_a_block_mask_equals_it_with_the_dense_mask():
     bm = create_block_mask(window_in_documents([30, 40], 25), None, None, T, T, BLOCK_SIZE=BS)
     kw = dict(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], return_lse=True, backend="triton")
     got, lse = fusedattn.attention(q8, k8, v8, block_mask=bm, **kw)
-    want, want_lse = fusedattn.attention(q8, k8, v8, attn_mask=_here(bm.to_dense()), **kw)
+    want, want_lse = fusedattn.attention(q8, k8, v8, attn_mask=_here(bm.dense_mask()), **kw)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fusedattn"
 
 LEVEL0 = ("_version", "_build", "masks", "block_mask", "checks", "mla_checks", "cache_layout",
-          "autocast", "fp8", "invariance", "nn_interfaces", "testing")  # fmt: skip
+          "autocast", "fp8", "invariance", "nn_interfaces", "testing", "score_mod")  # fmt: skip
 FAMILIES = ("attention", "decode", "rowwise", "linear", "mla")
 
 # (importer, imported): fusedattn's own imports made inside a function, each with its reason.

@@ -121,7 +121,7 @@ def test_block_mask_lse_gradient_matches_float64():
     tensors, kwargs = _inputs("plain", torch.float32, torch.get_default_device())
     bm = create_block_mask(lambda b, h, i, j: (j <= i + 33) & ((i + j) % 3 != 0), None, None,
                            SHAPE.Tq, SHAPE.Tk, device=tensors["q"].device, BLOCK_SIZE=32)  # fmt: skip
-    dense = bm.to_dense()
+    dense = bm.dense_mask()
 
     def op(block_mask=None, backend=None, **kw):
         if backend is None:  # the reference (truth and baseline): the same mask, dense

@@ -68,6 +68,7 @@ def _fwd_block(
     WARP_SPEC: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
     sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """One query block (bh, m_blk) of attention_fwd: its rows' output and lse (BLOCK_SPARSE:
     the key blocks a block mask lists, attention_blocks.py)."""
@@ -147,6 +148,7 @@ def _fwd_block(
             dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, TMA_MODE, False,
             MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8, True,
+            SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
     elif BLOCK_SPARSE:
         acc, l_i, m_i = attention_blocks.fwd_listed_blocks(
@@ -156,6 +158,7 @@ def _fwd_block(
             dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK, MASK_IS_BOOL,
             HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, DOT_IN_FP32,
             INTERPRETED, MASK_IN_DOT, BITS_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, BS_Q, BS_K, FP8,
+            SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
     else:
         for part in tl.static_range(3):  # boundary, interior (no positional mask), boundary
@@ -167,6 +170,7 @@ def _fwd_block(
                 dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT,
                 SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION, DOT_IN_FP32, INTERPRETED,
                 TMA_MODE, PIPELINE and part == 1, MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if USE_TMA:  # the copy clips rows past Tq and columns past Dv
@@ -201,6 +205,7 @@ def attention_fwd(
     WARP_SPEC: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
     BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
     sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """USE_TMA (never with VARLEN): Q, K, V and Out are tensor descriptors over the (B, H, T,
     D) tensors with blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D); their strides go unused.
@@ -243,6 +248,7 @@ def attention_fwd(
                 HAS_SINKS, VARLEN, DROPOUT, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PIPELINE, MASK_IN_DOT, FP8, WARP_SPEC,
                 BLOCK_SPARSE, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, BS_Q, BS_K, BITS_IN_DOT,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
     else:
         bh, m_blk = _grid_block(tl.program_id(0), num_m_blocks, HAS_RIGHT)
@@ -260,6 +266,7 @@ def attention_fwd(
             HAS_SINKS, VARLEN, DROPOUT, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PIPELINE, MASK_IN_DOT, FP8, WARP_SPEC,
             BLOCK_SPARSE, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, BS_Q, BS_K, BITS_IN_DOT,
+            SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
 
 
@@ -280,6 +287,7 @@ def attention_bwd_dkdv(
     MERGE_BOUNDARIES: tl.constexpr = False, PIPELINE: tl.constexpr = False,
     BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
     sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """dk, dv of one key block of one kv head, summed over the q heads of its group in a fixed
     order (deterministic GQA). PIPELINE: the interior query tiles' loop rotated
@@ -333,6 +341,7 @@ def attention_bwd_dkdv(
                 Tq, Tk, dropout_p, start_n, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK,
                 MASK_IS_BOOL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION,
                 DOT_IN_FP32, INTERPRETED, BLOCK_M, BS_Q, BS_K,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         # boundary, interior (no positional mask), boundary; with MERGE_BOUNDARIES the
         # interior, then both boundary ranges in one loop (see Tiles.merge)
@@ -353,6 +362,7 @@ def attention_bwd_dkdv(
                 (part == 1) if MERGE_BOUNDARIES else (part != 1), PRECISION, DOT_IN_FP32,
                 INTERPRETED, BLOCK_M, MERGE_BOUNDARIES and part == 1,
                 PIPELINE and part == (0 if MERGE_BOUNDARIES else 1),
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
     if HAS_KPM:
         # Key padding is applied here, once, not to every tile's scores: row j of dK and dV
@@ -387,6 +397,7 @@ def attention_bwd_dq(
     BLOCK_SPARSE: tl.constexpr = False, LISTS=None, KINDS=None, BITS=None, sl_b=0, sl_h=0,
     sl_r=0, BS_Q: tl.constexpr = 128, BS_K: tl.constexpr = 128, BITS_IN_DOT: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """dq of one query block, the backward's first kernel (PIPELINE: the interior key tiles'
     loop rotated, _dq_tiles): it also computes the block's
@@ -466,6 +477,7 @@ def attention_bwd_dq(
                 sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h,
                 sl_r, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
                 DROPOUT, True, False, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N, BS_Q, BS_K,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         for part in tl.static_range(0 if BLOCK_SPARSE else 3):
             first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
@@ -476,6 +488,7 @@ def attention_bwd_dq(
                 Dv, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,
                 HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, True, False, PRECISION,
                 DOT_IN_FP32, INTERPRETED, BLOCK_N,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         delta = tl.where(p_sum > 0.0, delta / tl.where(p_sum > 0.0, p_sum, 1.0), 0.0)
     if HAS_DLSE:
@@ -489,6 +502,7 @@ def attention_bwd_dq(
             D, Dv, Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK,
             MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, False,
             MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N, BS_Q, BS_K,
+            SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
     for part in tl.static_range(0 if BLOCK_SPARSE else 3):  # boundary, interior, boundary
         first, last = _part_bounds(part, lo, mid_lo, mid_hi, hi)
@@ -499,6 +513,7 @@ def attention_bwd_dq(
             Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM and part != 1, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, False, MASK_GRAD, PRECISION,
             DOT_IN_FP32, INTERPRETED, BLOCK_N, PIPELINE and part == 1,
+            SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
     tl.store(DQ + b * sdq_b + h * sdq_h + row_ptr[:, None] * sdq_t + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=inb[:, None] & (d < D)[None, :])  # fmt: skip

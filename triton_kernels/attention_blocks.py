@@ -30,12 +30,13 @@ from . import attention_loops as loops
 
 
 @triton.jit
-def _bits_base(BITS, kind, q_block, k_block, BS_Q: tl.constexpr, BS_K: tl.constexpr):
+def _bits_base(BITS, kind, q_block, BS_Q: tl.constexpr, BS_K: tl.constexpr):
     """BITS offset so that _mask_tile's packed mode reads row qi, key kj of partial block
     `kind` (whose first row is q_block * BS_Q and first key k_block * BS_K) at
-    qi * (BS_K // 32) + kj // 32."""
-    WORDS: tl.constexpr = BS_K // 32
-    return BITS + (kind.to(tl.int64) * BS_Q - q_block.to(tl.int64) * BS_Q) * WORDS - k_block * WORDS
+    qi * WORDS + (kj & (BS_K - 1)) // 32, WORDS = (BS_K + 31) // 32 words a row (one for
+    16 keys)."""
+    WORDS: tl.constexpr = (BS_K + 31) // 32
+    return BITS + (kind.to(tl.int64) * BS_Q - q_block.to(tl.int64) * BS_Q) * WORDS
 
 
 @triton.jit
@@ -50,9 +51,11 @@ def fwd_listed_blocks(
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, MASK_IN_DOT: tl.constexpr,
     BITS_IN_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS_Q: tl.constexpr, BS_K: tl.constexpr, FP8: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """attention._fwd_block's key loop over the listed key blocks of query block
     start_m // BS_Q, each clipped to the window's [lo, hi)."""
+    WORDS: tl.constexpr = (BS_K + 31) // 32  # a partial block's words per row
     q_block = start_m // BS_Q
     row = b * sl_b + h * sl_h + q_block * sl_r
     n = tl.load(LISTS + row)
@@ -69,16 +72,18 @@ def fwd_listed_blocks(
                 dropout_p, True, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, 0, False,
                 MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         elif kind >= 0:  # partial: its bits
-            bits = _bits_base(BITS, kind, q_block, k_block, BS_Q, BS_K)
+            bits = _bits_base(BITS, kind, q_block, BS_Q, BS_K)
             acc, l_i, m_i = loops._fwd_tiles(
                 acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
                 b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
-                window_right, bits, KPM, SEED, 0, 0, BS_K // 32, 1, skp_b, D, Dv, Tq, Tk,
+                window_right, bits, KPM, SEED, 0, 0, WORDS, BS_K - 1, skp_b, D, Dv, Tq, Tk,
                 dropout_p, True, 2, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                 True, PRECISION, DOT_IN_FP32, INTERPRETED, 0, False, BITS_IN_DOT, BLOCK_N,
                 BLOCK_D, BLOCK_DV, FP8,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         else:  # full: no mask; the window's interior without the positional mask either
             for part in tl.static_range(3):
@@ -91,6 +96,7 @@ def fwd_listed_blocks(
                     HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                     part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, 0, False, False, BLOCK_N,
                     BLOCK_D, BLOCK_DV, FP8,
+                    SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
                 )  # fmt: skip
     return acc, l_i, m_i
 
@@ -106,9 +112,11 @@ def dq_listed_blocks(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DELTA_PASS: tl.constexpr,
     MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BS_Q: tl.constexpr, BS_K: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """attention_bwd_dq's key loops (the exact delta's pass with DELTA_PASS, then dq) over the
     listed key blocks of query block start_m // BS_Q."""
+    WORDS: tl.constexpr = (BS_K + 31) // 32  # a partial block's words per row
     q_block = start_m // BS_Q
     row = b * sl_b + h * sl_h + q_block * sl_r
     n = tl.load(LISTS + row)
@@ -125,16 +133,18 @@ def dq_listed_blocks(
                 sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, True, MASK_IS_BOOL, HAS_KPM, HAS_LEFT,
                 HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, True, DELTA_PASS, MASK_GRAD, PRECISION,
                 DOT_IN_FP32, INTERPRETED, BLOCK_N,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         elif kind >= 0:
-            bits = _bits_base(BITS, kind, q_block, k_block, BS_Q, BS_K)
+            bits = _bits_base(BITS, kind, q_block, BS_Q, BS_K)
             dq, delta_sum, p_sum = loops._dq_tiles(
                 dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first,
                 last, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2,
-                scale, softcap, window_left, window_right, bits, KPM, SEED, 0, 0, BS_K // 32, 1,
+                scale, softcap, window_left, window_right, bits, KPM, SEED, 0, 0, WORDS, BS_K - 1,
                 skp_b, D, Dv, Tq, Tk, dropout_p, True, 2, HAS_KPM, HAS_LEFT, HAS_RIGHT,
                 SOFTCAP, HAS_ALIBI, DROPOUT, True, DELTA_PASS, False, PRECISION, DOT_IN_FP32,
                 INTERPRETED, BLOCK_N,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         else:
             for part in tl.static_range(3):
@@ -147,6 +157,7 @@ def dq_listed_blocks(
                     D, Dv, Tq, Tk, dropout_p, False, False, HAS_KPM and part != 1, HAS_LEFT,
                     HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, DELTA_PASS, False,
                     PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N,
+                    SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
                 )  # fmt: skip
     return dq, delta_sum, p_sum
 
@@ -161,9 +172,11 @@ def dkdv_listed_blocks(
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BS_Q: tl.constexpr, BS_K: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """attention_bwd_dkdv's query loop for query head h over the query blocks listed for key
     block start_n // BS_K (the mask's second orientation)."""
+    WORDS: tl.constexpr = (BS_K + 31) // 32  # a partial block's words per row
     k_block = start_n // BS_K
     row = b * sl_b + h * sl_h + k_block * sl_r
     n = tl.load(LISTS + row)
@@ -180,15 +193,17 @@ def dkdv_listed_blocks(
                 skp_b, D, Dv, Tq, Tk, dropout_p, True, MASK_IS_BOOL, False, HAS_LEFT, HAS_RIGHT,
                 SOFTCAP, HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_M,
                 False,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         elif kind >= 0:
-            bits = _bits_base(BITS, kind, q_block, k_block, BS_Q, BS_K)
+            bits = _bits_base(BITS, kind, q_block, BS_Q, BS_K)
             dk, dv_acc = loops._dkdv_tiles(
                 dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
                 last, last, last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale,
-                softcap, window_left, window_right, bits, KPM, SEED, 0, 0, BS_K // 32, 1, skp_b,
+                softcap, window_left, window_right, bits, KPM, SEED, 0, 0, WORDS, BS_K - 1, skp_b,
                 D, Dv, Tq, Tk, dropout_p, True, 2, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_M, False,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         else:
             for part in tl.static_range(3):
@@ -202,5 +217,6 @@ def dkdv_listed_blocks(
                     sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, False, False, False,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION,
                     DOT_IN_FP32, INTERPRETED, BLOCK_M, False,
+                    SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
                 )  # fmt: skip
     return dk, dv_acc

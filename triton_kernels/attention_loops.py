@@ -92,7 +92,7 @@ def _tile_scores(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, INTERPRETED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr = None, MOD_ARGS=None, h=None,
 ):  # fmt: skip
     """log2-domain scores of a tile from its raw product qk = q·k (either orientation: qi and
     kj are the query and key indices broadcast to the tile's shape), and t = tanh(s / softcap)
@@ -105,7 +105,15 @@ def _tile_scores(
     lse2 (the backward: the rows' log2-sum-exp, broadcast; None in the forward) is subtracted
     right after the scale, so that the two fuse into one FFMA and each later term is one more
     (sm_90, D=128: float mask dq 443 -> 411 and dK/dV 638 -> 606 instructions per iteration,
-    ALiBi 392 -> 374 and 668 -> 641; p = exp2(s) after it)."""
+    ALiBi 392 -> 374 and 668 -> 641; p = exp2(s) after it).
+
+    SCORE_MOD (a generated score_mod function, fusedattn/score_mod/codegen.py; MOD_ARGS its
+    captured tensors, h the query head): Flex's score_mod applied to scale·q·k first, then
+    softcap and the rest as without it (_mod_indices: the indices it sees)."""
+    if SCORE_MOD is not None:
+        qi_m, kj_m = _mod_indices(qi, kj, q_len, k_len, POSITIONAL)
+        qk = SCORE_MOD(qk * scale, b.to(tl.int32), h.to(tl.int32), qi_m, kj_m, MOD_ARGS)
+        scale = 1.0
     t = qk
     if SOFTCAP:
         t = _tanh(qk * (scale / softcap), PRECISION, INTERPRETED)
@@ -138,6 +146,30 @@ def _tile_scores(
 
 
 @triton.jit
+def _mod_indices(qi, kj, q_len, k_len, POSITIONAL: tl.constexpr):
+    """The query and key indices a score_mod sees: the tile's own, and on boundary tiles those
+    past the sequence moved to its last row and key (their scores are hidden anyway), so that
+    a mod indexing a (Q_LEN, KV_LEN) table never reads past it."""
+    if POSITIONAL:
+        return tl.minimum(qi, q_len - 1), tl.minimum(kj, k_len - 1)
+    return qi, kj
+
+
+@triton.jit
+def _mod_grad(ds, qk, scale, b, h, qi, kj, q_len, k_len, MOD_ARGS, SCORE_MOD_GRAD: tl.constexpr,
+              POSITIONAL: tl.constexpr):  # fmt: skip
+    """dS of scale·q·k from dS of the modified score: through the score_mod's derivative
+    (SCORE_MOD_GRAD: codegen.py's score_mod_grad in the dq kernel, which also adds the
+    captured tensors' gradients, score_mod_dscore in dK/dV's)."""
+    qi_m, kj_m = _mod_indices(qi, kj, q_len, k_len, POSITIONAL)
+    inside = None
+    if POSITIONAL:
+        inside = (qi < q_len) & (kj < k_len)
+    return SCORE_MOD_GRAD(qk * scale, b.to(tl.int32), h.to(tl.int32), qi_m, kj_m, MOD_ARGS, ds,
+                          inside)  # fmt: skip
+
+
+@triton.jit
 def _mask_tile(MASK, b, h, qi, kj, q_len, k_len, sm_b, sm_h, sm_q, sm_k,
                POSITIONAL: tl.constexpr, MASK_IS_BOOL: tl.constexpr = False):  # fmt: skip
     """The attn_mask's entries at query rows qi and keys kj (broadcast to the tile's shape),
@@ -147,15 +179,17 @@ def _mask_tile(MASK, b, h, qi, kj, q_len, k_len, sm_b, sm_h, sm_q, sm_k,
     dq: those rows are never stored), and interior key or query tiles are whole.
 
     MASK_IS_BOOL == 2: a block mask's partial block, packed 32 keys to an int32 word (bit
-    j % 32 of word j // 32 of row i; attention_blocks.py): MASK is offset so that row qi,
-    key kj is word qi * sm_q + kj // 32 (the block's first key is a multiple of 32)."""
+    j % 32 of word j // 32 of row i, j the key's offset in its block; attention_blocks.py):
+    MASK is offset so that row qi is words qi * sm_q on, and sm_k is the block's width - 1
+    (a power of two), so kj & sm_k is the offset (a 16-key block: the low bits of one word)."""
     if MASK_IS_BOOL == 2:
-        ptrs = MASK + qi.to(tl.int64) * sm_q + (kj >> 5)
+        local = kj & sm_k
+        ptrs = MASK + qi.to(tl.int64) * sm_q + (local >> 5)
         if POSITIONAL:
             words = tl.load(ptrs, mask=(qi < q_len) & (kj < k_len), other=0)
         else:
             words = tl.load(ptrs)
-        return (words >> (kj & 31)) & 1
+        return (words >> (local & 31)) & 1
     ptrs = MASK + b * sm_b + h * sm_h + qi.to(tl.int64) * sm_q + kj.to(tl.int64) * sm_k
     if POSITIONAL:
         return tl.load(ptrs, mask=(qi < q_len) & (kj < k_len), other=0)
@@ -328,6 +362,7 @@ def _fwd_scores(
     HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_IN_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """log2-domain scores of the key tile at start_n. USE_TMA: K_head is the (B, Hkv, Tk, D)
     tensor descriptor, whose copies zero-fill past Tk and D (no bounds masks); 2: this
@@ -374,6 +409,7 @@ def _fwd_scores(
         qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, None, HAS_MASK and not MASK_IN_DOT, MASK_IS_BOOL,
         HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, INTERPRETED, PRECISION,
+        SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, h=h,
     )  # fmt: skip
     return s
 
@@ -435,6 +471,7 @@ def _fwd_tiles(
     USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     FP8: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """The online-softmax update of key tiles [lo, hi) (FP8: see attention_fwd; WARP_SPEC:
     the loop warp-specialized, see Tiles).
@@ -457,6 +494,7 @@ def _fwd_tiles(
                 D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
                 POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N,
                 BLOCK_D,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
             for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
                 start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -466,6 +504,7 @@ def _fwd_tiles(
                     sm_q, sm_k, skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT,
                     HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32,
                     INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N, BLOCK_D,
+                    SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
                 )  # fmt: skip
                 p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
                 acc = _fwd_pv(
@@ -490,6 +529,7 @@ def _fwd_tiles(
                 skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
                 MASK_IN_DOT, BLOCK_N, BLOCK_D,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
             p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
             acc = _fwd_pv(
@@ -550,6 +590,7 @@ def _dkdv_update(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """One query tile's dk, dv contributions from its products (_dkdv_products): Pᵀ
     recomputed from the scores and the row lse, dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (dPᵀ - delta),
@@ -562,7 +603,7 @@ def _dkdv_update(
         qkt, rows[None, :], cols[:, None], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, lse2[None, :], HAS_MASK and not MASK_IS_BOOL,
         MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
-        INTERPRETED, PRECISION,
+        INTERPRETED, PRECISION, SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, h=h,
     )  # fmt: skip
     pt = tl.exp2(st)
     if HAS_MASK and MASK_IS_BOOL:  # on P, not the scores: see _dq_tiles
@@ -576,6 +617,9 @@ def _dkdv_update(
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:
         dst = dst * (1.0 - t * t)
+    if SCORE_MOD is not None:
+        dst = _mod_grad(dst, qkt, scale, b, h, rows[None, :], cols[:, None], q_len, k_len,
+                        MOD_ARGS, SCORE_MOD_GRAD, POSITIONAL)  # fmt: skip
     dk += _dot(dst.to(qt.dtype), tl.trans(qt), PRECISION, DOT_IN_FP32)
     return dk, dv_acc
 
@@ -590,6 +634,7 @@ def _dkdv_tiles(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, TWO_RANGES: tl.constexpr, PIPELINE: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """dk, dv contributions of query tiles [lo, hi), then with TWO_RANGES [lo2, hi2) in the
     same loop (Tiles.merge), computed transposed (Sᵀ = K·Qᵀ, keys along rows) so that Pᵀ and
@@ -624,6 +669,7 @@ def _dkdv_tiles(
                     SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK,
                     MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                     POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED,
+                    SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
                 )  # fmt: skip
                 rows, lse2, qkt = rows_n, lse2_n, qkt_n
             last = lo + (hi - lo - 1) // BLOCK_M * BLOCK_M  # the loop's last start_m
@@ -637,6 +683,7 @@ def _dkdv_tiles(
                 sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL,
                 HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL,
                 PRECISION, DOT_IN_FP32, INTERPRETED,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         return dk, dv_acc
     if TWO_RANGES:
@@ -659,6 +706,7 @@ def _dkdv_tiles(
             sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL, HAS_KPM,
             HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL, PRECISION,
             DOT_IN_FP32, INTERPRETED,
+            SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
     return dk, dv_acc
 
@@ -691,6 +739,7 @@ def _dq_update(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     DELTA_PASS: tl.constexpr, MASK_GRAD: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """One key tile's dq contribution from its scores qk = q·kᵀ (_dq_tiles)."""
     m = 0.0
@@ -701,7 +750,7 @@ def _dq_update(
         qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, lse2[:, None], HAS_MASK and not MASK_IS_BOOL,
         MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL,
-        INTERPRETED, PRECISION,
+        INTERPRETED, PRECISION, SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, h=h,
     )  # fmt: skip
     p = tl.exp2(s)
     if HAS_MASK and MASK_IS_BOOL:
@@ -722,6 +771,9 @@ def _dq_update(
                      mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])  # fmt: skip
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
+        if SCORE_MOD is not None:
+            ds = _mod_grad(ds, qk, scale, b, h, rows[:, None], cols[None, :], q_len, k_len,
+                           MOD_ARGS, SCORE_MOD_GRAD, POSITIONAL)  # fmt: skip
         dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, DOT_IN_FP32)
     return dq, delta_sum, p_sum
 
@@ -738,6 +790,7 @@ def _dq_tiles(
     DELTA_PASS: tl.constexpr, MASK_GRAD: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
 ):  # fmt: skip
     """dq contributions of key tiles [lo, hi); with DELTA_PASS only the row sums of P ∘ dP
     and of P (delta_sum, p_sum: the exact delta is their quotient, see attention_bwd_dq).
@@ -774,6 +827,7 @@ def _dq_tiles(
                     window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p,
                     HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
                     DROPOUT, POSITIONAL, DELTA_PASS, MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
+                    SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
                 )  # fmt: skip
                 cols, qk = cols_n, qk_n
             last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N  # the loop's last start_n
@@ -787,6 +841,7 @@ def _dq_tiles(
                 MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK,
                 MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL,
                 DELTA_PASS, MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
+                SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
         return dq, delta_sum, p_sum
     for start_n in range(lo, hi, BLOCK_N):
@@ -801,5 +856,6 @@ def _dq_tiles(
             KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, Tq, Tk, dropout_p, HAS_MASK, MASK_IS_BOOL,
             HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL, DELTA_PASS,
             MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
+            SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
         )  # fmt: skip
     return dq, delta_sum, p_sum

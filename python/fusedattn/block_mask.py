@@ -9,22 +9,41 @@ it is empty, full or partial, and the partial blocks' bits packed 32 keys to an 
 for a 128 x 128 block). A mask_mod written for Flex (indexing, comparisons, &, |, torch.where)
 works as it is; Python control flow on the indices does not (as under Flex's vmap).
 
-Layout (both orientations, for the forward and dq, and for dk/dv):
+fusedattn's `BlockMask` is torch's class (torch.nn.attention.flex_attention.BlockMask, a
+subclass): every attribute (kv_num_blocks, kv_indices, full_kv_*, q_*, full_q_*, BLOCK_SIZE,
+seq_lengths, mask_mod, all assignable), constructor (from_kv_blocks), slicing and method
+(_adjust, numel, sparsity, to_dense: torch's block map, to_string, as_tuple, shape) is
+torch's, and torch's own flex_attention takes it. What the kernels read is its
+`KernelBlocks`, made from those fields (the partial blocks' bits from mask_mod, on those
+blocks only) the first time a device asks and kept until a field is assigned;
+create_block_mask makes both at once. Torch's tensors follow torch's convention: a block cut
+by Q_LEN or KV_LEN is partial (torch pads the mask with False); the kernels' form lists it
+full where every key inside the lengths is visible (the kernels bound the sequence).
+
+KernelBlocks layout (both orientations, for the forward and dq, and for dk/dv):
   kv_lists (Bm, Hm, nQB, nKB + 1) int32: [.., 0] the number of key blocks a query block sees,
       [.., 1:] those blocks in ascending order; kv_kinds the same shape: -1 for a full block,
       else the partial block's row in `bits`;
   q_lists, q_kinds (Bm, Hm, nKB, nQB + 1): the query blocks that see each key block;
-  bits (P, BS_Q, BS_K // 32) int32.
+  bits (P, BS_Q, max(1, BS_K // 32)) int32: key j (its offset in its block) of row i at bit
+      j % 32 of word j // 32 (BS_K = 16: the low 16 bits of one word).
 Bm is B or 1, Hm is H or 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import flex_attention as _flex
+
+TorchBlockMask = _flex.BlockMask
+noop_mask = _flex.noop_mask
+# the mask_mod torch gives a sliced BlockMask (it asks for a new one)
+_SLICED_MASK_MOD = getattr(_flex, "_sliced_mask_mod_error", None)
 
 # Elements of mask_mod's output per chunk (8 Mi bools, and a few times that in a mask_mod's
 # temporaries). A document-causal mask over 128k tokens (16 documents, 128 x 128 blocks) builds
@@ -32,12 +51,18 @@ import torch
 # 4 Mi: 26 s, 77 MiB; one 128-row block row (16 Mi at 128k): 20 s, 772 MiB. Two thirds of the
 # time is the mask_mod itself (every one of the 2^34 entries is evaluated once, as Flex does).
 CHUNK_ELEMENTS = 1 << 23
+MIN_BLOCK = 16  # the kernels' smallest tile (tl.dot takes 16)
+
+
+def words_per_row(bsk: int) -> int:
+    return max(1, bsk // 32)
 
 
 @dataclass(frozen=True, eq=False)
-class BlockMask:
-    """Which (BS_Q x BS_K) blocks of a (Q_LEN, KV_LEN) score matrix are empty, full or
-    partial, with the partial blocks' bits (the module docstring has the layout)."""
+class KernelBlocks:
+    """What the kernels read of a block mask: which (BS_Q x BS_K) blocks of a (Q_LEN, KV_LEN)
+    score matrix are empty, full or partial, with the partial blocks' bits (the module
+    docstring has the layout)."""
 
     seq_lengths: tuple[int, int]
     block_size: tuple[int, int]
@@ -46,12 +71,6 @@ class BlockMask:
     q_lists: torch.Tensor
     q_kinds: torch.Tensor
     bits: torch.Tensor
-    mask_mod: object = None
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """(Bm, Hm, Q_LEN, KV_LEN), Bm and Hm 1 where the mask broadcasts."""
-        return (*self.kv_lists.shape[:2], *self.seq_lengths)
 
     @property
     def device(self) -> torch.device:
@@ -61,12 +80,7 @@ class BlockMask:
         """Blocks listed over every (batch, head) the mask holds (full and partial)."""
         return int(self.kv_lists[..., 0].sum())
 
-    def sparsity(self) -> float:
-        """The share of blocks not listed, as Flex's BlockMask.sparsity() (in percent)."""
-        Bm, Hm, nqb, width = self.kv_lists.shape
-        return 100.0 * (1.0 - self.listed_blocks() / (Bm * Hm * nqb * (width - 1)))
-
-    def to(self, device) -> BlockMask:
+    def to(self, device) -> KernelBlocks:
         device = torch.device(device)
         if device == self.device:
             return self
@@ -74,47 +88,149 @@ class BlockMask:
             name: getattr(self, name).to(device)
             for name in ("kv_lists", "kv_kinds", "q_lists", "q_kinds", "bits")
         }
-        return BlockMask(self.seq_lengths, self.block_size, mask_mod=self.mask_mod, **moved)
+        return KernelBlocks(self.seq_lengths, self.block_size, **moved)
 
-    def to_dense(self) -> torch.Tensor:
+    def kinds_grid(self) -> torch.Tensor:
+        """(Bm, Hm, nQB, nKB) int64: -2 empty, -1 full, >= 0 the partial block's bits row.
+        No op depends on the lists' values for its shape, so torch.compile traces it: each
+        row's kinds scattered to its block columns (unlisted slots to a spare column)."""
+        Bm, Hm, nqb, width = self.kv_lists.shape
+        nkb = width - 1
+        slot = torch.arange(nkb, device=self.device)
+        listed = slot < self.kv_lists[..., :1]
+        cols = torch.where(listed, self.kv_lists[..., 1:].long(), nkb)
+        kinds = torch.where(listed, self.kv_kinds[..., 1:].long(), -2)
+        grid = torch.full((Bm, Hm, nqb, nkb + 1), -2, dtype=torch.long, device=self.device)
+        return grid.scatter(-1, cols, kinds)[..., :nkb]
+
+    def dense_mask(self) -> torch.Tensor:
         """(Bm, Hm, Q_LEN, KV_LEN) bool, True where a query sees a key: O(Q_LEN x KV_LEN)
-        memory, what the reference and torch backends run. No op depends on the lists'
-        values for its shape (no nonzero, no branch on a tensor), so torch.compile traces
-        it in one graph: each row's kinds are scattered to its block columns (unlisted
-        slots to a spare column, dropped), full blocks set whole, partial ones read from
-        their unpacked bits."""
+        memory, what the reference and torch backends run (traceable: kinds_grid)."""
         Bm, Hm, nqb, width = self.kv_lists.shape
         nkb = width - 1
         bsq, bsk = self.block_size
         Q_LEN, KV_LEN = self.seq_lengths
-        slot = torch.arange(nkb, device=self.device)
-        listed = slot < self.kv_lists[..., :1]  # (Bm, Hm, nqb, nKB)
-        cols = torch.where(listed, self.kv_lists[..., 1:].long(), nkb)
-        kinds = torch.where(listed, self.kv_kinds[..., 1:].long(), -2)
-        grid = torch.full((Bm, Hm, nqb, nkb + 1), -2, dtype=torch.long, device=self.device)
-        grid = grid.scatter(-1, cols, kinds)[..., :nkb]  # -2 empty, -1 full, >= 0 partial
+        grid = self.kinds_grid()
         blocks = (grid == -1)[..., None, None].expand(Bm, Hm, nqb, nkb, bsq, bsk)
         if self.bits.shape[0]:
             shifts = torch.arange(32, device=self.device, dtype=torch.int32)
-            unpacked = ((self.bits[..., None] >> shifts) & 1).bool().flatten(-2)  # (P, bsq, bsk)
+            unpacked = ((self.bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :bsk]
             blocks = blocks | ((grid >= 0)[..., None, None] & unpacked[grid.clamp(min=0)])
         dense = blocks.permute(0, 1, 2, 4, 3, 5).reshape(Bm, Hm, nqb * bsq, nkb * bsk)
         return dense[:, :, :Q_LEN, :KV_LEN]
 
-    def __repr__(self) -> str:
-        return (
-            f"fusedattn.masks.BlockMask(shape={self.shape}, block_size={self.block_size}, "
-            f"partial={self.bits.shape[0]}, sparsity={self.sparsity():.1f}%)"
-        )
+
+# the fields whose assignment makes the kernels' form stale
+_FIELDS = frozenset(("seq_lengths", "kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                     "full_kv_indices", "BLOCK_SIZE", "mask_mod"))  # fmt: skip
+
+
+class BlockMask(TorchBlockMask):
+    """torch.nn.attention.flex_attention.BlockMask (every attribute, constructor, slicing
+    and method is torch's), with the kernels' form of it (`kernel_blocks`) kept per device.
+    fusedattn.masks.create_block_mask makes one without a compile."""
+
+    def __init__(self, *args, **kwargs):
+        object.__setattr__(self, "_kernel", {})
+        super().__init__(*args, **kwargs)
+
+    def __setattr__(self, name, value):
+        if name in _FIELDS:
+            self.__dict__.get("_kernel", {}).clear()
+        super().__setattr__(name, value)
+
+    def kernel_blocks(self, device=None) -> KernelBlocks:
+        """The kernels' form on `device` (default: the mask's): made once from the fields
+        (mask_mod evaluated on the partial blocks only, where it is), then moved."""
+        home = self.kv_num_blocks.device
+        device = home if device is None else torch.device(device)
+        cache = self.__dict__.setdefault("_kernel", {})
+        found = cache.get(device)
+        if found is None:
+            found = cache.get(home)
+            if found is None:
+                found = cache[home] = kernel_blocks_of(self)
+            if device != home:
+                found = cache[device] = found.to(device)
+        return found
+
+    # the kernels' form, as the mask's own attributes (on the mask's device)
+    @property
+    def block_size(self) -> tuple[int, int]:
+        return _block_size(self.BLOCK_SIZE)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_num_blocks.device
+
+    @property
+    def kv_lists(self) -> torch.Tensor:
+        return self.kernel_blocks().kv_lists
+
+    @property
+    def kv_kinds(self) -> torch.Tensor:
+        return self.kernel_blocks().kv_kinds
+
+    @property
+    def q_lists(self) -> torch.Tensor:
+        return self.kernel_blocks().q_lists
+
+    @property
+    def q_kinds(self) -> torch.Tensor:
+        return self.kernel_blocks().q_kinds
+
+    @property
+    def bits(self) -> torch.Tensor:
+        return self.kernel_blocks().bits
+
+    def listed_blocks(self) -> int:
+        """Blocks the kernels visit over every (batch, head) the mask holds."""
+        return self.kernel_blocks().listed_blocks()
+
+    def dense_mask(self) -> torch.Tensor:
+        """(Bm, Hm, Q_LEN, KV_LEN) bool, True where a query sees a key (O(Q_LEN x KV_LEN));
+        torch's to_dense() is the (Bm, Hm, nQB, nKB) block map."""
+        return self.kernel_blocks().dense_mask()
+
+    def to(self, device) -> BlockMask:
+        moved = _as_ours(super().to(device))
+        cached = self.__dict__.get("_kernel", {})
+        device = moved.kv_num_blocks.device
+        if device in cached:
+            moved._kernel[device] = cached[device]
+        elif cached:
+            moved._kernel[device] = next(iter(cached.values())).to(device)
+        return moved
+
+    def __getitem__(self, index) -> BlockMask:
+        """torch's slicing (batch, head, query-block rows; mask_mod reset, as torch does: a
+        sliced mask is refused until one is assigned)."""
+        return _as_ours(super().__getitem__(index))
+
+
+def _as_ours(mask: TorchBlockMask) -> BlockMask:
+    """A torch BlockMask's fields as fusedattn's (torch's methods that build a new mask name
+    torch's class)."""
+    if type(mask) is BlockMask:
+        return mask
+    fields = {name: getattr(mask, name) for name in (
+        "seq_lengths", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+        "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE",
+        "mask_mod")}  # fmt: skip
+    ours = BlockMask(**fields)
+    for extra in ("dq_write_order", "dq_write_order_full", "dq_kv_order", "dq_kv_order_spt"):
+        if hasattr(mask, extra):  # torch 2.13+
+            setattr(ours, extra, getattr(mask, extra))
+    return ours
 
 
 def _block_size(BLOCK_SIZE) -> tuple[int, int]:
     bsq, bsk = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
-    for name, value, least in (("query", bsq, 16), ("key", bsk, 32)):
-        if value < least or value & (value - 1):
+    for name, value in (("query", bsq), ("key", bsk)):
+        if value < MIN_BLOCK or value & (value - 1):
             raise ValueError(
-                f"BLOCK_SIZE: the {name} block size must be a power of two >= {least} (the "
-                f"kernels' tiles divide it; bits pack 32 keys to a word), got {value}"
+                f"BLOCK_SIZE: the {name} block size must be a power of two >= {MIN_BLOCK} (the "
+                f"kernels' tiles divide it, and tl.dot takes 16 at least), got {value}"
             )
     return int(bsq), int(bsk)
 
@@ -136,7 +252,12 @@ def _any_all(vis: torch.Tensor, nqb: int, bsq: int, nkb: int, bsk: int):
 
 
 def pack_bits(visible: torch.Tensor) -> torch.Tensor:
-    """(..., n * 32) bool -> (..., n) int32, key j at bit j % 32 of word j // 32."""
+    """(..., bsk) bool -> (..., max(1, bsk // 32)) int32, key j at bit j % 32 of word j // 32
+    (fewer than 32 keys: the low bits of one word)."""
+    if visible.shape[-1] < 32:
+        pad = torch.zeros(*visible.shape[:-1], 32 - visible.shape[-1], dtype=torch.bool,
+                          device=visible.device)  # fmt: skip
+        visible = torch.cat([visible, pad], -1)
     shifts = torch.arange(32, device=visible.device, dtype=torch.int64)
     words = (visible.unflatten(-1, (-1, 32)).to(torch.int64) << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
@@ -158,6 +279,14 @@ def _lists(kinds_grid: torch.Tensor):
     return lists, kinds.contiguous()
 
 
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(…, R, C) bool -> torch's (num_blocks int32 (…, R), indices int32 (…, R, C)): each
+    row's set columns first in ascending order, then the rest (torch's _dense_to_ordered)."""
+    num = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int32), dim=-1, descending=True, stable=True)
+    return num.contiguous(), order.to(torch.int32).contiguous()
+
+
 def _index(value: int, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.int64, device=device)
 
@@ -170,16 +299,67 @@ def _evaluate(mask_mod, b, h, rows: torch.Tensor, cols: torch.Tensor) -> torch.T
     return out.to(torch.bool).expand(rows.shape[0], cols.shape[0])
 
 
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **_unused):
-    """torch.nn.attention.flex_attention.create_block_mask's signature, evaluated eagerly and
-    in chunks: a fusedattn.masks.BlockMask. B or H None: the mask applies to all. Extra
-    keywords of torch's (`_compile`) are accepted and ignored: nothing here compiles."""
+def _default_device() -> torch.device:
+    """torch's default for create_block_mask and create_mask: the current accelerator where
+    one is available, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.current_accelerator()
+    return torch.device("cpu")
+
+
+def _positional_count(fn) -> int:
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return code.co_argcount - len(getattr(fn, "__defaults__", None) or ())
+    return sum(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY,
+               p.POSITIONAL_OR_KEYWORD) for p in inspect.signature(fn).parameters.values())  # fmt: skip
+
+
+def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
+    """torch.nn.attention.flex_attention.create_mask: the dense (B, H, Q_LEN, KV_LEN) bool
+    mask of a mask_mod (4 arguments), or of a score_mod (5: False where it gives -inf on a
+    zero score), evaluated once on broadcasting index tensors (no vmap). O(Q_LEN x KV_LEN)."""
+    device = _default_device() if device is None else device
+    B, H = (1 if B is None else int(B)), (1 if H is None else int(H))
+
+    def index(n, dim):
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return torch.arange(n, device=device).view(shape)
+
+    b, h, q, kv = index(B, 0), index(H, 1), index(int(Q_LEN), 2), index(int(KV_LEN), 3)
+    count = _positional_count(mod_fn)
+    if count == 5:
+        zeros = torch.zeros(B, H, int(Q_LEN), int(KV_LEN), device=device)
+        out = torch.as_tensor(mod_fn(zeros, b, h, q, kv), device=device)
+        return ~torch.isneginf(out.expand(B, H, int(Q_LEN), int(KV_LEN)))
+    if count != 4:
+        raise AssertionError(f"Expected 4 or 5 positional args, got {count}")
+    out = torch.as_tensor(mod_fn(b, h, q, kv), device=device)
+    return out.to(torch.bool).expand(B, H, int(Q_LEN), int(KV_LEN))
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
+                      _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
+                      dq_kv_order=True) -> BlockMask:  # fmt: skip
+    """torch.nn.attention.flex_attention.create_block_mask (its signature and keywords; an
+    unknown keyword raises), evaluated eagerly and in chunks: a fusedattn BlockMask (torch's
+    class) whose kernels' form is made at the same time. B or H None: the mask applies to
+    all. device None: torch's default (the current accelerator, else the CPU). _compile
+    changes nothing (nothing here compiles); separate_full_blocks=False lists every
+    non-empty block as partial in torch's fields, as torch does (the kernels still skip
+    mask reads in full blocks); compute_dq_write_order fills torch's dq write-order fields
+    for torch's own FLASH backward (fusedattn's backward is deterministic without them)."""
+    del _compile
     bsq, bsk = _block_size(BLOCK_SIZE)
-    device = torch.device("cpu" if device is None else device)
+    device = torch.device(_default_device() if device is None else device)
     Q_LEN, KV_LEN = int(Q_LEN), int(KV_LEN)
     if Q_LEN <= 0 or KV_LEN <= 0:
         raise ValueError(f"create_block_mask: Q_LEN and KV_LEN must be positive, got "
                          f"{Q_LEN}, {KV_LEN}")  # fmt: skip
+    if not isinstance(dq_kv_order, bool):
+        raise ValueError("dq_kv_order must be a bool when using create_block_mask")
     Bm, Hm = (1 if B is None else int(B)), (1 if H is None else int(H))
     nqb, nkb = -(-Q_LEN // bsq), -(-KV_LEN // bsk)
     kinds = torch.full((Bm, Hm, nqb, nkb), -2, dtype=torch.int32, device=device)
@@ -205,7 +385,44 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
                         n_partial += partial_bits.shape[0]
                         bits.append(partial_bits)
                     kinds[b, h, r0:r1, c0:c1] = block_kinds
-    return _from_kinds(kinds, bits, (Q_LEN, KV_LEN), (bsq, bsk), mask_mod, device)
+    kernel = _from_kinds(kinds, bits, (Q_LEN, KV_LEN), (bsq, bsk), device)
+    mask = _torch_fields(kinds, (Q_LEN, KV_LEN), (bsq, bsk), mask_mod, separate_full_blocks)
+    mask._kernel[device] = kernel
+    if compute_dq_write_order:
+        order = getattr(_flex, "_compute_dq_write_order_from_block_mask", None)
+        if order is None:
+            raise ValueError("compute_dq_write_order: this torch has no dq write order")
+        mask.dq_write_order, mask.dq_write_order_full = order(mask, dq_kv_order=dq_kv_order)
+        mask.dq_kv_order_spt = dq_kv_order
+    return mask
+
+
+def _torch_fields(kinds, seq_lengths, block_size, mask_mod, separate_full_blocks) -> BlockMask:
+    """The BlockMask with torch's fields for a kinds grid: torch's partial and full block
+    lists (a block cut by the lengths is partial there, as torch pads with False), both
+    orientations."""
+    Q_LEN, KV_LEN = seq_lengths
+    bsq, bsk = block_size
+    nqb, nkb = kinds.shape[-2:]
+    full = kinds == -1
+    cut = torch.zeros(nqb, nkb, dtype=torch.bool, device=kinds.device)
+    if Q_LEN % bsq:
+        cut[-1, :] = True
+    if KV_LEN % bsk:
+        cut[:, -1] = True
+    partial = (kinds >= 0) | (full & cut)
+    full = full & ~cut
+    if not separate_full_blocks:
+        partial, full = partial | full, None
+    kv_num, kv_idx = _ordered(partial)
+    q_num, q_idx = _ordered(partial.transpose(-1, -2))
+    fields = dict(full_kv_num_blocks=None, full_kv_indices=None, full_q_num_blocks=None,
+                  full_q_indices=None)  # fmt: skip
+    if full is not None:
+        fields["full_kv_num_blocks"], fields["full_kv_indices"] = _ordered(full)
+        fields["full_q_num_blocks"], fields["full_q_indices"] = _ordered(full.transpose(-1, -2))
+    return BlockMask(seq_lengths, kv_num, kv_idx, q_num_blocks=q_num, q_indices=q_idx,
+                     BLOCK_SIZE=(bsq, bsk), mask_mod=mask_mod, **fields)  # fmt: skip
 
 
 def _classify(mask_mod, b, h, rows, cols, n_qb, n_kb, bsq, bsk):
@@ -235,76 +452,61 @@ def _classify(mask_mod, b, h, rows, cols, n_qb, n_kb, bsq, bsk):
     return kinds, pack_bits(grid.permute(0, 2, 1, 3)[r, c])
 
 
-def _from_kinds(kinds, bits, seq_lengths, block_size, mask_mod, device) -> BlockMask:
+def _from_kinds(kinds, bits, seq_lengths, block_size, device) -> KernelBlocks:
     kv_lists, kv_kinds = _lists(kinds)
     q_lists, q_kinds = _lists(kinds.transpose(-1, -2))
     bsq, bsk = block_size
     packed = (
         torch.cat(bits)
         if bits
-        else torch.zeros(0, bsq, bsk // 32, dtype=torch.int32, device=device)
+        else torch.zeros(0, bsq, words_per_row(bsk), dtype=torch.int32, device=device)
     )
-    return BlockMask(seq_lengths, block_size, kv_lists, kv_kinds, q_lists, q_kinds,
-                     packed.contiguous(), mask_mod)  # fmt: skip
+    return KernelBlocks(seq_lengths, block_size, kv_lists, kv_kinds, q_lists, q_kinds,
+                        packed.contiguous())  # fmt: skip
 
 
-# ---- torch's BlockMask ----------------------------------------------------------------------
+# ---- the kernels' form of torch's fields -----------------------------------------------------
 
-# torch BlockMask -> its conversion per device, kept with the object (a model's layers share
-# one mask: converted once a step, not once a layer)
+# a torch BlockMask (not fusedattn's) -> its kernels' form per device, kept with the object (a
+# model's layers share one mask: converted once a step, not once a layer)
 _CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _torch_block_mask_type():
-    try:
-        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
-    except ImportError:  # a torch without FlexAttention
-        return None
-    return TorchBlockMask
-
-
 def is_torch_block_mask(mask) -> bool:
-    cls = _torch_block_mask_type()
-    return cls is not None and isinstance(mask, cls)
+    return isinstance(mask, TorchBlockMask)
 
 
-def from_torch(mask, device=None) -> BlockMask:
-    """A torch BlockMask as fusedattn's: its block lists as they are, the bits of its partial
-    blocks from its mask_mod (evaluated on those blocks only). Cached with the object."""
-    home = mask.kv_num_blocks.device  # where its mask_mod's tensors are: evaluated there
-    device = torch.device(device) if device is not None else home
-    cached = _CONVERTED.get(mask)
-    if cached is not None and device in cached:
-        return cached[device]
-    if device != home:
-        converted = from_torch(mask).to(device)
-        with contextlib.suppress(TypeError):
-            _CONVERTED.setdefault(mask, {})[device] = converted
-        return converted
-    device = home
+def kernel_blocks_of(mask: TorchBlockMask) -> KernelBlocks:
+    """The kernels' form of a BlockMask's fields, on its device: its block lists as they are,
+    the bits of its partial blocks from its mask_mod (evaluated on those blocks only)."""
+    if _SLICED_MASK_MOD is not None and mask.mask_mod is _SLICED_MASK_MOD:
+        raise RuntimeError(
+            "Cannot use mask_mod from a sliced BlockMask: torch resets it when a BlockMask is "
+            "sliced; assign one (the original's, offset to the slice) before using the mask"
+        )
+    device = mask.kv_num_blocks.device
     bsq, bsk = _block_size(mask.BLOCK_SIZE)
     Q_LEN, KV_LEN = (int(n) for n in mask.seq_lengths)
-    num, idx = mask.kv_num_blocks.to(device), mask.kv_indices.to(device)
+    num, idx = mask.kv_num_blocks, mask.kv_indices
+    while num.dim() < 3:  # torch allows fewer leading dimensions
+        num, idx = num.unsqueeze(0), idx.unsqueeze(0)
     Bm, Hm, nqb = num.shape
     nkb = -(-KV_LEN // bsk)
     nqb = min(nqb, -(-Q_LEN // bsq))
     kinds = torch.full((Bm, Hm, nqb, nkb), -2, dtype=torch.int32, device=device)
     listed = _listed(num[..., :nqb], idx[..., :nqb, :], nkb)
-    full = None
     if mask.full_kv_num_blocks is not None:
-        full = _listed(mask.full_kv_num_blocks.to(device)[..., :nqb],
-                       mask.full_kv_indices.to(device)[..., :nqb, :], nkb)  # fmt: skip
+        full_num, full_idx = mask.full_kv_num_blocks, mask.full_kv_indices
+        while full_num.dim() < 3:
+            full_num, full_idx = full_num.unsqueeze(0), full_idx.unsqueeze(0)
+        full = _listed(full_num[..., :nqb], full_idx[..., :nqb, :], nkb)
         kinds[full] = -1
-    partial_blocks = listed if full is None else listed & ~full
+        listed = listed & ~full
     bits = []
-    if partial_blocks.any():
-        bits.append(_partial_bits(mask.mask_mod, partial_blocks, (Q_LEN, KV_LEN), (bsq, bsk)))
-        n = bits[0].shape[0]
-        kinds[partial_blocks] = torch.arange(n, dtype=torch.int32, device=device)
-    converted = _from_kinds(kinds, bits, (Q_LEN, KV_LEN), (bsq, bsk), mask.mask_mod, device)
-    with contextlib.suppress(TypeError):  # not weak-referenceable: converted each call
-        _CONVERTED.setdefault(mask, {})[device] = converted
-    return converted
+    if listed.any():
+        bits.append(_partial_bits(mask.mask_mod, listed, (Q_LEN, KV_LEN), (bsq, bsk)))
+        kinds[listed] = torch.arange(bits[0].shape[0], dtype=torch.int32, device=device)
+    return _from_kinds(kinds, bits, (Q_LEN, KV_LEN), (bsq, bsk), device)
 
 
 def _listed(num, idx, nkb) -> torch.Tensor:
@@ -338,10 +540,26 @@ def _partial_bits(mask_mod, partial, seq_lengths, block_size) -> torch.Tensor:
     return torch.cat(out)
 
 
-def as_block_mask(mask, device) -> BlockMask:
-    """fusedattn's BlockMask on `device` from either kind; TypeError for anything else."""
+def from_torch(mask, device=None) -> KernelBlocks:
+    """A BlockMask's kernels' form on `device` (default: its own): fusedattn's keeps it
+    itself; a torch one's is cached with the object."""
     if isinstance(mask, BlockMask):
-        return mask.to(device)
+        return mask.kernel_blocks(device)
+    home = mask.kv_num_blocks.device
+    device = torch.device(device) if device is not None else home
+    cached = _CONVERTED.get(mask)
+    if cached is not None and device in cached:
+        return cached[device]
+    converted = from_torch(mask) if device != home else kernel_blocks_of(mask)
+    converted = converted.to(device)
+    with contextlib.suppress(TypeError):  # not weak-referenceable: converted each call
+        _CONVERTED.setdefault(mask, {})[device] = converted
+    return converted
+
+
+def as_block_mask(mask, device) -> KernelBlocks:
+    """The kernels' form on `device` of fusedattn's or torch's BlockMask; TypeError for
+    anything else."""
     if is_torch_block_mask(mask):
         return from_torch(mask, device)
     raise TypeError(

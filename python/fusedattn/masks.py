@@ -204,6 +204,8 @@ def visible_keys(key_padding_mask, window: Window, Tq: int, Tk: int, device=None
 # last: block_mask.py needs nothing from here, users find them here.
 from .block_mask import BlockMask as BlockMask  # noqa: E402
 from .block_mask import create_block_mask as create_block_mask  # noqa: E402
+from .block_mask import create_mask as create_mask  # noqa: E402
+from .block_mask import noop_mask as noop_mask  # noqa: E402
 
 
 def and_masks(*mask_mods):

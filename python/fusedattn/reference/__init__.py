@@ -11,7 +11,7 @@ fusedattn.modules, deferred imports included (tests/test_import_graph.py).
 """
 
 from . import decode, mla
-from .attention import attention, varlen_attention
+from .attention import apply_score_mod, attention, varlen_attention
 from .decode import attention_with_kvcache
 from .layernorm import layer_norm
 from .linear import linear
@@ -20,6 +20,7 @@ from .rmsnorm import rms_norm
 from .softmax import softmax
 
 __all__ = [
+    "apply_score_mod",
     "attention",
     "attention_with_kvcache",
     "decode",

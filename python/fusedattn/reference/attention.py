@@ -47,13 +47,30 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def apply_score_mod(score_mod, scores: torch.Tensor) -> torch.Tensor:
+    """FlexAttention's score_mod(score, b, h, q_idx, kv_idx) on (B, H, Tq, Tk) scores, every
+    score at once: b, h, q_idx and kv_idx are int32 index tensors that broadcast against them.
+    Torch's semantics and autograd, O(Tq·Tk) memory: what a vmap of the mod computes,
+    without the vmap."""
+    B, H, Tq, Tk = scores.shape
+
+    def index(n, dim):
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return torch.arange(n, device=scores.device, dtype=torch.int32).view(shape)
+
+    out = score_mod(scores, index(B, 0), index(H, 1), index(Tq, 2), index(Tk, 3))
+    return torch.as_tensor(out, device=scores.device).to(scores.dtype).expand(B, H, Tq, Tk)
+
+
 def attention_scores(
     q, k, attn_mask=None, is_causal=False, scale=None, *, key_padding_mask=None, window=None,
-    softcap=0.0, alibi_slopes=None,
+    softcap=0.0, alibi_slopes=None, score_mod=None,
 ) -> torch.Tensor:  # fmt: skip
     """(B, Hq, Tq, Tk) scores with every mask applied (-inf where hidden), fp32/fp64:
-    scale·q·k, softcap, ALiBi, the float mask added; padding, bool mask and the positional
-    `window` (default: top-left causal if is_causal) exclude."""
+    scale·q·k, the score_mod (Flex's, on scale·q·k), softcap, ALiBi, the float mask added;
+    padding, bool mask and the positional `window` (default: top-left causal if is_causal)
+    exclude."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     compute = _compute_dtype(q.dtype)
     Tq, Tk = q.shape[-2], k.shape[-2]
@@ -63,6 +80,8 @@ def attention_scores(
     # fp16, which made this reference 3.4x less accurate than naive fp16 PyTorch on
     # flash-attention's overflow test (q·5, k·3, D=32). The kernels keep their scores in fp32.
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale
+    if score_mod is not None:
+        scores = apply_score_mod(score_mod, scores)
     if softcap > 0.0:
         scores = softcap * torch.tanh(scores / softcap)
     if window is None:
@@ -122,7 +141,7 @@ def attention(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
     key_padding_mask=None, window_size=None, softcap=0.0, alibi_slopes=None, sinks=None,
     causal_alignment="top_left", return_lse=False, q_descale=None, k_descale=None,
-    v_descale=None, out_dtype=None,
+    v_descale=None, out_dtype=None, score_mod=None,
 ):  # fmt: skip
     """softmax(scores)·v with SDPA's conventions and every variant; see `fusedattn.attention`.
 
@@ -150,7 +169,7 @@ def attention(
             q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-            return_lse=return_lse,
+            return_lse=return_lse, score_mod=score_mod,
         )  # fmt: skip
         return (result[0].to(dtype), result[1]) if return_lse else result.to(dtype)
     if key_padding_mask is not None:  # a padded key never contributes, even a NaN in it
@@ -162,7 +181,7 @@ def attention(
         attn_mask, shift = shift_float_mask(attn_mask, visible)
     scores = attention_scores(
         q, k, attn_mask, scale=scale, key_padding_mask=key_padding_mask, window=window,
-        softcap=float(softcap), alibi_slopes=alibi_slopes,
+        softcap=float(softcap), alibi_slopes=alibi_slopes, score_mod=score_mod,
     )  # fmt: skip
     if sinks is not None:
         B, Hq, Tq, _ = scores.shape
@@ -184,7 +203,7 @@ def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     is_causal=False, scale=None, enable_gqa=False, *, window_size=None, softcap=0.0, alibi_slopes=None,
     sinks=None, causal_alignment="top_left", return_lse=False, block_table=None, q_descale=None,
-    k_descale=None, v_descale=None, out_dtype=None,
+    k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
 ):  # fmt: skip
     """Packed variable-length attention, one sequence at a time through `attention`; see
     `fusedattn.varlen_attention`. With block_table, k and v are a paged cache: sequence b's
@@ -212,15 +231,16 @@ def varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             is_causal, scale, enable_gqa, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks, causal_alignment=causal_alignment,
-            return_lse=return_lse,
+            return_lse=return_lse, score_mod=score_mod,
         )  # fmt: skip
         return (result[0].to(dtype), result[1]) if return_lse else result.to(dtype)
+    kwargs = {} if score_mod is None else dict(score_mod=score_mod)  # with b its sequence's
     return per_sequence(
         attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         alibi_slopes, return_lse,
         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1], window_size=window_size, softcap=softcap,
-        sinks=sinks, causal_alignment=causal_alignment,
+        sinks=sinks, causal_alignment=causal_alignment, **kwargs,
     )  # fmt: skip
 
 
@@ -235,6 +255,15 @@ def gather_pages(k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, total_q, max_seql
     check_kvcache_values(torch.tensor(lengths, dtype=torch.int32), None, block_table, k_cache,
                          0, paged_key_count)  # fmt: skip
     return packed_rows(k_cache, block_table, lengths), packed_rows(v_cache, block_table, lengths)
+
+
+def _offset_batch(score_mod, b: int):
+    """score_mod for a batch of one that is sequence b of a packed batch."""
+
+    def offset(score, batch, head, q_idx, kv_idx):
+        return score_mod(score, batch + b, head, q_idx, kv_idx)
+
+    return offset
 
 
 def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -252,7 +281,10 @@ def per_sequence(dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
-        res = dense_attention(qs, ks, vs, alibi_slopes=slopes, return_lse=return_lse, **kwargs)
+        call = kwargs
+        if kwargs.get("score_mod") is not None:  # sequence b's mod sees b
+            call = dict(kwargs, score_mod=_offset_batch(kwargs["score_mod"], b))
+        res = dense_attention(qs, ks, vs, alibi_slopes=slopes, return_lse=return_lse, **call)
         out, lse = res if return_lse else (res, None)
         outs.append(out[0].transpose(0, 1))
         if return_lse:

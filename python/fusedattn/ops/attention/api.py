@@ -18,12 +18,13 @@ from ...block_mask import as_block_mask
 from ...checks import check_attention_args, check_varlen_args
 from ...fp8 import is_fp8, output_dtype
 from ...masks import shift_float_mask, visible_keys
+from ...score_mod import prepare as prepare_score_mod
 from ..core import backends
 from ..core.plans import tracing
 from . import (
-    block_sparse,
     cuda_backend,
     custom_ops,
+    flex,
     plans,
     reference_backend,
     torch_backend,
@@ -66,6 +67,7 @@ def attention(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     block_mask=None,
+    score_mod=None,
     backend: str = "auto",
 ):
     """Masked multi-head scaled-dot-product attention, SDPA's layout and mask conventions.
@@ -93,6 +95,13 @@ def attention(
     backward); the reference and torch backends run its dense form (O(Tq x Tk) memory); the
     CUDA backend refuses it. A torch BlockMask is converted once and kept with the object.
 
+    score_mod: FlexAttention's score_mod(score, b, h, q_idx, kv_idx) -> score, applied to
+    each score scale·q·k (float32; h the query head) before softcap, ALiBi, the float mask
+    and the masks (a hidden key stays hidden whatever the mod returns). Traced once per
+    structure into a Triton function the kernels call per tile (no compile; captured tensors
+    read by pointer, their gradients computed); the reference and torch backends run it
+    densely (O(Tq x Tk)); CUDA refuses it. What it may contain: docs/block_masks.md.
+
     FP8 (inference): q, k, v in torch.float8_e4m3fn with q_descale, k_descale, v_descale
     (float32, (B, Hkv) or one value: a stored element means stored × descale); the products
     on fp8 tensor cores, the output in out_dtype (bfloat16 by default; float16 or float32),
@@ -102,7 +111,8 @@ def attention(
     """
     plan_key = None
     fp8 = q_descale is not None or out_dtype is not None
-    if block_mask is None and not tracing():  # an eager call of known metadata: its plan
+    flex_call = block_mask is not None or score_mod is not None
+    if not flex_call and not tracing():  # an eager call of known metadata: its plan
         plan_key = plans.key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              key_padding_mask, window_size, softcap, alibi_slopes, sinks,
                              causal_alignment, return_lse, backend)  # fmt: skip
@@ -119,8 +129,8 @@ def attention(
         return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         out_dtype=out_dtype,
     )  # fmt: skip
-    if block_mask is not None:  # no plans: the mask's tensors are the call's
-        return _block_mask_call(inputs, shift, block_mask, backend, return_lse)
+    if flex_call:  # no plans: the mask's and the mod's tensors are the call's
+        return _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse)
     impl = backends.select("attention", backend, q.device, inputs)
     if plan_key is not None:
         plan = plans.AttentionPlan(impl, inputs)
@@ -129,24 +139,44 @@ def attention(
     return _shifted(impl.run(**inputs), shift, return_lse)
 
 
-def _block_mask_call(inputs, shift, block_mask, backend, return_lse):
-    """attention() with a block mask, its arguments checked (_checked_inputs): the Triton
-    kernels' block-sparse loops, or the dense mask on the reference and torch backends."""
+def _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse):
+    """attention() with a block mask or a score_mod (FlexAttention's two halves), its
+    arguments checked (_checked_inputs): the Triton kernels (the listed blocks, the mod per
+    tile), or on the reference and torch backends the dense mask and the mod on every
+    score."""
     q = inputs["q"]
-    bm = check_block_mask(block_mask, q, inputs["k"])
-    if backend == "cuda":
-        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel; use "
-                         "backend='triton' (or 'auto')")  # fmt: skip
-    if backend == "auto":  # the kernels skip what the mask hides; off a GPU, the dense mask
-        backend = "triton" if q.is_cuda else "auto"
+    bm = None if block_mask is None else check_block_mask(block_mask, q, inputs["k"])
+    mod = None if score_mod is None else prepare_score_mod(score_mod, q.device)
+    backend = _flex_backend(backend, q, block_mask, score_mod)
+    if mod is not None:
+        inputs["score_mod"] = mod
     impl = backends.select("attention", backend, q.device, inputs)
     if impl.backend == "triton":
         inputs.pop("enable_gqa")
-        return _shifted(block_sparse.run(block_mask=bm, **inputs), shift, return_lse)
-    if impl.backend == "cuda":
-        raise ValueError("block_mask: the CUDA attention has no block-sparse kernel")
-    inputs["attn_mask"] = block_sparse.merge_dense(inputs["attn_mask"], bm)
+        return _shifted(flex.run(block_mask=bm, **inputs), shift, return_lse)
+    if impl.backend == "cuda":  # only through FUSEDATTN_BACKEND: the argument is refused above
+        raise ValueError(f"{_flex_names(block_mask, score_mod)}: the CUDA attention has no "
+                         "kernel for it; use backend='triton' (or 'auto')")  # fmt: skip
+    if bm is not None:
+        inputs["attn_mask"] = flex.merge_dense(inputs["attn_mask"], bm)
     return _shifted(impl.run(**inputs), shift, return_lse)
+
+
+def _flex_names(block_mask, score_mod) -> str:
+    return " and ".join(n for n, x in (("block_mask", block_mask), ("score_mod", score_mod))
+                        if x is not None)  # fmt: skip
+
+
+def _flex_backend(backend: str, q: torch.Tensor, block_mask, score_mod) -> str:
+    """The backend a block-mask or score_mod call asks for: CUDA refused by name; auto the
+    Triton kernels on a GPU (they skip what the mask hides and run the mod in the tile),
+    torch's dense path off one."""
+    if backend == "cuda":
+        raise ValueError(f"{_flex_names(block_mask, score_mod)}: the CUDA attention has no "
+                         "kernel for it; use backend='triton' (or 'auto')")  # fmt: skip
+    if backend == "auto":
+        return "triton" if q.is_cuda else "auto"
+    return backend
 
 
 def _checked_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
@@ -185,9 +215,18 @@ def _shifted(result, shift, return_lse):
     return result
 
 
+def _varlen_flex(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                 scale, window, softcap, alibi_slopes, sinks, return_lse, score_mod, **fp8):  # fmt: skip
+    """varlen_attention with a score_mod on the Triton kernels (flex.py)."""
+    return flex.run(q, k, v, None, dropout_p, scale, None, window, softcap, alibi_slopes, sinks,
+                    return_lse, score_mod=score_mod, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, **fp8)  # fmt: skip
+
+
 def check_block_mask(block_mask, q: torch.Tensor, k: torch.Tensor):
-    """The call's block mask as fusedattn's BlockMask on q's device; ValueError naming
-    block_mask where its sizes are not the call's."""
+    """The kernels' form (block_mask.KernelBlocks) of the call's block mask on q's device;
+    ValueError naming block_mask where its sizes are not the call's."""
     bm = as_block_mask(block_mask, q.device)
     B, H, Tq = q.shape[:3]
     Tk = k.shape[2]
@@ -229,6 +268,7 @@ def varlen_attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    score_mod=None,
     backend: str = "auto",
 ):
     """Attention over a packed batch of variable-length sequences, no padding computed.
@@ -260,6 +300,10 @@ def varlen_attention(
     head); a paged cache in either fp8 type (k_descale, v_descale) under a bfloat16, float16
     or float32 q (the output in q's dtype) or an fp8 q (q_descale; the output bfloat16 or
     out_dtype), as attention_with_kvcache reads it.
+
+    score_mod: as in `attention`, with b the sequence's number and q_idx, kv_idx the query's
+    and the key's positions in their sequence (the Triton kernels, or the reference and
+    torch backends per sequence); not with block_table (a paged prefill).
     """
     cast = apply_autocast("attention", dict(q=q, k=k, v=v))
     q, k, v = cast["q"], cast["k"], cast["v"]
@@ -277,11 +321,19 @@ def varlen_attention(
         softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
     )  # fmt: skip
     if block_table is not None:
+        if score_mod is not None:
+            raise ValueError("score_mod: varlen_attention over a paged cache (block_table) "
+                             "runs the decode kernels, which take no score_mod")  # fmt: skip
         inputs["block_table"] = block_table
     if is_fp8(k):  # out_dtype: an fp8 q's output (a paged fp8 cache under q keeps q's)
         inputs.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       out_dtype=output_dtype(q, out_dtype) if is_fp8(q) else None)  # fmt: skip
+    if score_mod is not None:
+        inputs["score_mod"] = prepare_score_mod(score_mod, q.device)
+        backend = _flex_backend(backend, q, None, score_mod)
     impl = backends.select("varlen_attention", backend, q.device, inputs)
+    if score_mod is not None and impl.backend == "triton":
+        return _varlen_flex(**inputs)
     if block_table is not None and tracing():  # the whole call as one op (custom_ops.py)
         return custom_ops.record_paged_varlen(inputs, impl.backend)
     return impl.run(**inputs)

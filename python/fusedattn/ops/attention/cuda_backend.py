@@ -48,6 +48,7 @@ def refusals(
     sinks=None,
     return_lse=False,
     attn_mask=None,
+    score_mod=None,
     **_inputs,
 ) -> list[str]:
     """Why the CUDA C++ attention cannot take these inputs ([] = it can). fp32 is refused
@@ -56,6 +57,9 @@ def refusals(
     where a backward is recorded: its backward kernels have no term for the lse's gradient,
     so a loss reading the lse would lose that part of dq and dk (issue #82)."""
     reasons = extension_op_refusals("attention")
+    if score_mod is not None:
+        reasons.append("the CUDA attention takes no score_mod (backend='triton' runs it in its "
+                       "kernels)")  # fmt: skip
     if (
         return_lse
         and torch.is_grad_enabled()

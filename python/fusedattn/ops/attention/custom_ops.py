@@ -96,13 +96,15 @@ def attention_fwd_impl(
 def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
                        bottom_right, scale, softcap, dropout_p, seed, backend,
-                       out_dtype=None, template=None, descales=None, block=None):  # fmt: skip
+                       out_dtype=None, template=None, descales=None, block=None,
+                       mod=None):  # fmt: skip
     """attention_fwd_impl, also returning the Triton launch (None for CUDA) for the backward
     to reuse. out_dtype: the output's dtype if not q's (Triton: context parallelism keeps a
     block's output in fp32 for the merge). template: a plan's TritonAttentionLaunch for this
     call's metadata (plans.py), bound to this call's tensors instead of building
     one. descales: (q_descale, k_descale, v_descale) of an fp8 call (Triton only). block: a
-    fusedattn.masks.BlockMask on q's device (Triton only; block_sparse.py)."""
+    fusedattn.masks.BlockMask on q's device, mod: a fusedattn.score_mod.ScoreMod (Triton
+    only; flex.py)."""
     q, k, v = _kernel_layout(backend, q, k, v)
     varlen = cu_seqlens_q is not None
     out = _empty_out_like(q, v.shape[-1], varlen, out_dtype)
@@ -123,7 +125,7 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
         L = TritonAttentionLaunch(
             q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
             cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
-            scale, softcap, dropout_p, seed, descales=descales, block=block,
+            scale, softcap, dropout_p, seed, descales=descales, block=block, mod=mod,
         )  # fmt: skip
     lse = new_output(L.lse_shape, torch.float32, q.device)
     if out.numel() == 0 or L.B * L.query_blocks("fwd") == 0:
@@ -192,13 +194,15 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
                         window_right, bottom_right, scale, softcap, dropout_p, seed, mask_grad,
                         backend, launch=None, delta_from_out=False, grads_dtype=None,
-                        block=None, dlse=None):  # fmt: skip
+                        block=None, dlse=None, mod=None, mod_grads=None):  # fmt: skip
     """attention_bwd_impl, reusing the forward's Triton launch when it is given (eager); dS
     and dsinks are None when not asked for. dlse (the returned lse's gradient, None where
     the loss does not read it) enters the row term: delta - dlse (attention_bwd_dq). delta_from_out: delta = rowsum(dO * O) from the
     `out` given, never the exact pass over these keys (context parallelism: out and lse are a
     whole row's, these keys one block of it). grads_dtype: dq, dk, dv in this dtype (fp32:
-    context parallelism sums the blocks' gradients unrounded)."""
+    context parallelism sums the blocks' gradients unrounded). mod_grads: with a score_mod
+    (mod), the float32 buffers (zeros) its captures' gradients are added into, None for a
+    capture that wants none."""
     q, k, v, out, do = _kernel_layout(backend, q, k, v, out, do)
     if grads_dtype is None:
         dq, dk, dv = new_output_like(q), new_output_like(k), new_output_like(v)
@@ -230,8 +234,9 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     L = launch or TritonAttentionLaunch(
         q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right, scale, softcap,
-        dropout_p, seed, block=block,
+        dropout_p, seed, block=block, mod=mod,
     )  # fmt: skip
+    L.mod_grads = mod_grads
     delta = new_output(L.lse_shape, torch.float32, q.device)  # written by the dq kernel
     exact_delta = False if delta_from_out else None
     # the output gradient is the one tensor a plan's key did not see: its layout names the

@@ -17,11 +17,15 @@ from ...fp8 import dequantize_heads
 from ...masks import NO_WINDOW
 from ..core.plans import tracing
 from ..shared import sdpa
+from . import reference_backend
 
 
 def refusals(*, q, **inputs) -> list[str]:
     """What SDPA cannot express; an fp8 call runs in float32 (dequantized), so q's dtype
-    rounds nothing."""
+    rounds nothing. A score_mod call runs the naive dense path (below), which takes every
+    variant."""
+    if inputs.get("score_mod") is not None:
+        return []
     if inputs.get("k_descale") is not None:
         q = q.new_empty((0,), dtype=torch.float32)
     return sdpa.refusals(q=q, **inputs)
@@ -29,9 +33,18 @@ def refusals(*, q, **inputs) -> list[str]:
 
 def attention(q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window,
               softcap, alibi_slopes, sinks, return_lse, q_descale=None, k_descale=None,
-              v_descale=None, out_dtype=None):  # fmt: skip
+              v_descale=None, out_dtype=None, score_mod=None):  # fmt: skip
     """SDPA (shared/sdpa.py); fp8 inputs dequantized to float32 first, the output in out_dtype
-    (correct, not fast)."""
+    (correct, not fast). With a score_mod (a function of every score, which SDPA cannot
+    take): the naive dense attention of fusedattn.reference, products in q's dtype and the
+    rest in float32, O(Tq x Tk) memory."""
+    if score_mod is not None:
+        return reference_backend.attention(
+            q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask, window, softcap,
+            alibi_slopes, sinks, return_lse, score_mod=score_mod,
+            **({} if q_descale is None else dict(q_descale=q_descale, k_descale=k_descale,
+                                                  v_descale=v_descale, out_dtype=out_dtype)),
+        )  # fmt: skip
     if q_descale is not None:
         if not tracing():
             check_descale_values(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
@@ -49,7 +62,7 @@ def attention(q, k, v, attn_mask, dropout_p, scale, enable_gqa, key_padding_mask
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, window,
     return_lse, dropout_p, scale, softcap, sinks, block_table=None, q_descale=None,
-    k_descale=None, v_descale=None, out_dtype=None,
+    k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
 ):  # fmt: skip
     """One SDPA call over the batch gathered to (B, H, max_seqlen, D) on the device, no host
     read of the lengths (torch.compile traces it; it ran one SDPA call per sequence after a
@@ -99,15 +112,26 @@ def varlen_attention(
         slopes = slopes.reshape(-1 if slopes.dim() == 2 else 1, q.shape[1], 1, 1)
         bias = -slopes * (p - j).abs()[:, None].to(compute)
         mask = bias.to(qd.dtype).masked_fill(~mask, float("-inf"))
-    out = sdpa.attention(
-        qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[-2], None, NO_WINDOW, softcap,
-        None, sinks, False,
-    )  # fmt: skip
+    if score_mod is not None:  # the padded batch: b is the sequence, q_idx and kv_idx its
+        # positions
+        out = reference_backend.attention(
+            qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[-2], None, NO_WINDOW,
+            softcap, None, sinks, return_lse, score_mod=score_mod,
+        )  # fmt: skip
+        out, lse = out if return_lse else (out, None)
+    else:
+        out = sdpa.attention(
+            qd, kd, vd, mask, dropout_p, scale, q.shape[1] != k.shape[-2], None, NO_WINDOW,
+            softcap, None, sinks, False,
+        )  # fmt: skip
     rows = torch.arange(q.shape[0], device=q.device)
     seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
     pos = rows - cu_seqlens_q.long()[seq]
     out = out.transpose(1, 2)[seq, pos]  # (total_q, Hq, Dv)
-    return out.to(q.dtype if out_dtype is None else out_dtype)  # fp8: from float32
+    out = out.to(q.dtype if out_dtype is None else out_dtype)  # fp8: from float32
+    if score_mod is not None and return_lse:  # (Hq, total_q), as the kernels lay it out
+        return out, lse[seq, :, pos].transpose(0, 1)
+    return out
 
 
 def _padded(x: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:

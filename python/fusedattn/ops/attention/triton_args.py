@@ -127,7 +127,7 @@ class TritonAttentionLaunch:
         self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right, bottom_right,
         scale, softcap, dropout_p, seed, *, config=None, interpreted=None, planned=False,
-        descales=None, block=None,
+        descales=None, block=None, mod=None,
     ):  # fmt: skip
         # planned: a template a plan keeps for every call of its metadata (bind() gives each
         # call's launch); each kernel's launcher is bound at its first launch and shared
@@ -186,6 +186,36 @@ class TritonAttentionLaunch:
         self.block = block
         if block is not None:
             self.cfg = block_sparse_config(self.cfg, *block.block_size)
+        # a score_mod (fusedattn.score_mod.ScoreMod): its functions for each kernel, and the
+        # float32 gradient buffers of its captures that want one (the backward sets them)
+        self.mod = mod
+        self.mod_grads = None
+        if mod is not None and self.cfg.fwd.warp_spec:  # its loads go through pointers
+            self.cfg = dataclasses.replace(
+                self.cfg, fwd=dataclasses.replace(self.cfg.fwd, warp_spec=False)
+            )
+
+    def mod_args(self, kernel: str) -> dict:
+        """The score_mod's kernel keywords ({} without one): its value function everywhere,
+        its derivative in the backward (in dq the one that also adds the captures'
+        gradients into mod_grads), its captures' tensors, sizes and strides."""
+        mod = self.mod
+        if mod is None:
+            return {}
+        interpreted = self.flags["INTERPRETED"]
+        plain = mod.functions(interpreted, (False,) * len(mod.tensors))
+        args = dict(SCORE_MOD=plain.score_mod, MOD_ARGS=mod.arguments())
+        if kernel == "dkdv":
+            args["SCORE_MOD_GRAD"] = plain.score_mod_dscore
+        elif kernel == "dq":
+            grads = self.mod_grads or [None] * len(mod.tensors)
+            wanted = tuple(g is not None for g in grads)
+            if any(wanted):
+                args["SCORE_MOD_GRAD"] = mod.functions(interpreted, wanted).score_mod_grad
+                args["MOD_ARGS"] = mod.arguments(grads)
+            else:
+                args["SCORE_MOD_GRAD"] = plain.score_mod_dscore
+        return args
 
     def block_args(self, orientation: str) -> dict:
         """The block mask's lists for one kernel ("kv": the forward and dq walk key blocks per
@@ -203,7 +233,7 @@ class TritonAttentionLaunch:
             BLOCK_SPARSE=True, LISTS=lists, KINDS=kinds, BITS=bm.bits,
             sl_b=s_b if lists.shape[0] > 1 else 0, sl_h=s_h if lists.shape[1] > 1 else 0,
             sl_r=s_r, BS_Q=bm.block_size[0], BS_K=bm.block_size[1],
-            BITS_IN_DOT=softcap == 0.0 and scale != 0.0,
+            BITS_IN_DOT=softcap == 0.0 and scale != 0.0 and self.mod is None,
         )  # fmt: skip
 
     def tiles(self, kernel: str) -> dict:
@@ -264,7 +294,8 @@ class TritonAttentionLaunch:
         grid, args, constexprs = make(*operands)
         if not grid[0]:
             return
-        if self.block is not None:  # tensors among the keywords: Triton's own launch path
+        if self.block is not None or self.mod is not None:  # tensors among the keywords:
+            # Triton's own launch path
             kernel[grid](*args, **constexprs)
         elif self.prepared is None:
             triton_launch.launch(kernel, grid, args, constexprs)
@@ -326,9 +357,10 @@ class TritonAttentionLaunch:
         if self.cfg.fwd.warp_spec and self.warp_spec(q, k, v):
             constexprs["WARP_SPEC"] = True
         scale, softcap = self.scalars[0], self.scalars[1]
-        if self.mask is not None and softcap == 0.0 and scale != 0.0:
+        if self.mask is not None and softcap == 0.0 and scale != 0.0 and self.mod is None:
             constexprs["MASK_IN_DOT"] = True  # the mask as the dot's accumulator (_fwd_scores)
         constexprs.update(self.block_args("kv"))
+        constexprs.update(self.mod_args("fwd"))
         if self.cfg.fwd.persistent:  # one program per multiprocessor (4 in the interpreter)
             constexprs["PERSISTENT"] = True
             return (min(tiles, program_budget(q.device)),), args, constexprs
@@ -351,7 +383,7 @@ class TritonAttentionLaunch:
         if self.cfg.dkdv.pipeline:
             merge["PIPELINE"] = True
         return grid, args, dict(**self.flags, **self.tiles("dkdv"), **merge,
-                                **self.block_args("q"))  # fmt: skip
+                                **self.block_args("q"), **self.mod_args("dkdv"))  # fmt: skip
 
     def dq_tensors(self, q, k, v, out, do, lse, delta, dq, dmask, mask_grad=None,
                    exact_delta=None, dlse=None):  # fmt: skip
@@ -386,4 +418,5 @@ class TritonAttentionLaunch:
         if self.cfg.dq.pipeline:
             constexprs["PIPELINE"] = True
         constexprs.update(self.block_args("kv"))
+        constexprs.update(self.mod_args("dq"))
         return (self.B * self.H * self.query_blocks("dq"),), args, constexprs

@@ -1,0 +1,180 @@
+"""FlexAttention's `score_mod` without a compile: `score_mod(score, b, h, q_idx, kv_idx)`
+changes each score q·k·scale (float32) before the softmax, as in Flex.
+
+A call's mod is prepared here (`prepare`): its structure (captures.py's walk: code, scalars,
+the dtypes and ranks of captured tensors, never their values) picks a cached trace; a
+structure not seen before is traced once (tracer.py) and written out as a Triton module
+(codegen.py) that the attention kernels call per tile. Captured tensors are read by pointer,
+so a new value in one never traces or compiles again; one that requires grad gets its
+gradient (float32 atomics in the dQ kernel). A captured Python scalar is a constant of the
+generated code: a new value is a new structure (one trace, one Triton compile of the
+kernels that use it).
+
+The reference and torch backends call the mod itself on the whole (B, H, Tq, Tk) score
+tensor with broadcasting index tensors (`fusedattn.reference.apply_score_mod`): O(Tq·Tk),
+torch's semantics and autograd (the float64 reference the kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import codegen, ir
+from .captures import Walk
+from .tracer import SUBSET_DOC, ScoreModError, describe_mod, trace
+
+__all__ = ["SUBSET_DOC", "ScoreMod", "ScoreModError", "prepare"]
+
+MAX_STRUCTURES = 256  # traced structures kept (least recently used dropped)
+
+
+@dataclass
+class _Compiled:
+    """One traced graph (the same for every closure of the same code and scalars): its
+    generated modules per (interpreted, which captures want gradients)."""
+
+    output: ir.Node
+    graph: ir.Graph
+    text: str
+    mod: str
+    names: list[str]
+    modules: dict = field(default_factory=dict)
+
+    def module(self, interpreted: bool, grads: tuple[bool, ...]):
+        key = (interpreted, grads)
+        found = self.modules.get(key)
+        if found is None:
+            found = self.modules[key] = codegen.load(
+                codegen.source(self.output, self.graph, grads, interpreted, self.mod, self.names)
+            )
+        return found
+
+
+@dataclass
+class _Structure:
+    """One walk key's trace: its graph, and where its captures sit in the walk's tensors
+    (None: some capture is out of the walk's reach, so every call traces again)."""
+
+    compiled: _Compiled
+    positions: tuple[int, ...] | None
+    names: list[str]
+
+
+_STRUCTURES: collections.OrderedDict = collections.OrderedDict()
+_LOCK = threading.Lock()
+# graph text -> its _Compiled, for the custom ops (torch.compile records a string)
+_BY_NAME: dict[str, _Compiled] = {}
+
+
+class ScoreMod:
+    """One call's score_mod: the traced graph and this call's captured tensors."""
+
+    __slots__ = ("compiled", "fn", "names", "tensors")
+
+    def __init__(self, fn, compiled: _Compiled, tensors: list[torch.Tensor], names: list[str]):
+        self.fn = fn
+        self.compiled = compiled
+        self.tensors = tensors
+        self.names = names
+
+    @property
+    def name(self) -> str:
+        """The graph's registry key (the custom ops carry it)."""
+        return self.compiled.text
+
+    @property
+    def description(self) -> str:
+        """`qualified name (file:line)` of the mod."""
+        return self.compiled.mod
+
+    def functions(self, interpreted: bool, grads: tuple[bool, ...]):
+        """The generated module: score_mod, score_mod_dscore and (any grads) score_mod_grad."""
+        return self.compiled.module(interpreted, grads)
+
+    def arguments(self, grad_buffers=None) -> tuple:
+        return codegen.arguments(self.tensors, grad_buffers or [None] * len(self.tensors))
+
+    def loads(self, capture: int) -> list[list[str | None]]:
+        """Per load of a capture, per dimension: the input (b, h, q_idx, kv_idx) its index
+        is, as it is, "const" for a constant, None for any other expression (q_idx - kv_idx,
+        a value read from another tensor, ...)."""
+        return [[a.op if a.op in ir.INPUTS or a.op == "const" else None for a in n.args]
+                for n in ir.topological(self.compiled.output)
+                if n.op == "load" and n.attrs[0] == capture]  # fmt: skip
+
+
+def _trace(fn, walk: Walk, device) -> tuple[_Structure, list[torch.Tensor]]:
+    output, graph, tensors = trace(fn, walk.names_by_id(), device)
+    where = {id(t): i for i, t in enumerate(walk.tensors)}
+    positions = tuple(where.get(id(t), -1) for t in tensors)
+    names = [walk.names[where[id(t)]] if id(t) in where else f"capture {i}"
+             for i, t in enumerate(tensors)]  # fmt: skip
+    text = ir.describe(output, graph.captures)
+    with _LOCK:
+        compiled = _BY_NAME.get(text)
+        if compiled is None:
+            compiled = _BY_NAME[text] = _Compiled(output, graph, text, describe_mod(fn), names)
+    return _Structure(compiled, None if -1 in positions else positions, names), tensors
+
+
+def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
+    """This call's ScoreMod: the cached trace of fn's structure with the tensors it captures
+    now; ScoreModError (a ValueError) where fn cannot be traced or a capture is on another
+    device."""
+    if not callable(fn):
+        raise ScoreModError(f"score_mod must be callable, got {type(fn).__name__}")
+    walk = Walk(fn)
+    if not _eager and torch.compiler.is_compiling():
+        # torch.compile records the call: the lookup (and a trace) runs eagerly, at its trace
+        # time (Dynamo cannot run the tracer); the captures come from the walk it records
+        name, positions, names = _trace_while_compiling(fn, str(device))
+        return ScoreMod(fn, registered(name), [walk.tensors[i] for i in positions], list(names))
+    key = walk.key
+    structure = _STRUCTURES.get(key)
+    if structure is None or structure.positions is None:
+        structure, tensors = _trace(fn, walk, device)
+        with _LOCK:
+            _STRUCTURES[key] = structure
+            while len(_STRUCTURES) > MAX_STRUCTURES:
+                _STRUCTURES.popitem(last=False)
+        return ScoreMod(fn, structure.compiled, tensors, structure.names)
+    tensors = [walk.tensors[i] for i in structure.positions]
+    for t, name in zip(tensors, structure.names, strict=True):
+        if t.device != device:
+            raise ScoreModError(
+                f"score_mod {structure.compiled.mod}: captured tensor `{name}` is on "
+                f"{t.device}, the call's tensors on {device}; move it to their device"
+            )
+    return ScoreMod(fn, structure.compiled, tensors, structure.names)
+
+
+@torch.compiler.assume_constant_result
+def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+    """prepare(fn) run by torch.compile at its trace time with the real function (Dynamo
+    calls an assume_constant_result function eagerly): (the graph's registry name, where
+    its captures sit in the walk's tensors, their names), constants the compiled graph
+    keeps. A mod defined inside the compiled function cannot be handed over this way
+    (Dynamo does not turn its closure cells into constants)."""
+    walk = Walk(fn)
+    mod = prepare(fn, torch.device(device), _eager=True)
+    structure = _STRUCTURES.get(walk.key)
+    if structure is None or structure.positions is None:
+        raise ScoreModError(
+            f"score_mod {mod.description}: under torch.compile its captured tensors must be "
+            "reachable from the function (closure cells, globals, defaults, a bound "
+            "method's object); one made by a helper on each call is not"
+        )
+    return mod.name, structure.positions, tuple(mod.names)
+
+
+def registered(name: str) -> _Compiled:
+    """The structure a custom op names (traced in this process)."""
+    found = _BY_NAME.get(name)
+    if found is None:
+        raise ScoreModError("a recorded score_mod's structure is not traced in this process; "
+                            "call the attention once eagerly first")  # fmt: skip
+    return found
