@@ -152,7 +152,16 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
     return ScoreMod(fn, structure.compiled, tensors, structure.names)
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without importing Dynamo when fusedattn is
+    imported (torch.compiler's imports torch._dynamo, which imports triton and Inductor:
+    1.4 s, and `import fusedattn` must not load triton): the attribute it sets, which
+    tests/test_score_mod.py checks against torch's own."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """prepare(fn) run by torch.compile at its trace time with the real function (Dynamo
     calls an assume_constant_result function eagerly): (the graph's registry name, where

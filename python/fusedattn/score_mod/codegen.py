@@ -36,7 +36,7 @@ from .ir import BOOL, FLOAT, INT32, INT64, Node
 
 # ops whose result carries no gradient to its operands (piecewise constant, or a leaf)
 _NO_GRADIENT = frozenset(("load", "const", "floor", "ceil", "trunc", "sign", "floordiv",
-                          "truncdiv"))  # fmt: skip
+                          "truncdiv", "detach"))  # fmt: skip
 _TL = {FLOAT: "tl.float32", INT32: "tl.int32", INT64: "tl.int64", BOOL: "tl.int1"}
 _INPUT_VARS = {"score": "score", "b": "b", "h": "h", "q_idx": "q_idx", "kv_idx": "kv_idx"}
 LN2 = math.log(2.0)
@@ -131,7 +131,8 @@ class _Writer:
         if op == "cast":
             target = n.attrs[0]
             src = n.args[0]
-            if target in ("float16", "bfloat16"):
+            if target in ("float16", "bfloat16"):  # rounded to nearest even (the interpreter's
+                # bfloat16 cast too: ops/core/interpreter.py)
                 return [f"{v} = {a[0]}.to(tl.{target}).to(tl.float32)"]
             if n.dtype == BOOL:
                 return [f"{v} = {a[0]} != 0"]
@@ -153,7 +154,7 @@ class _Writer:
             "tanh": "sm.tanh({0}, INTERPRETED)", "sigmoid": "tl.sigmoid({0})",
             "erf": "tl.erf({0})", "gelu": "sm.gelu({0})",
             "gelu_tanh": "sm.gelu_tanh({0}, INTERPRETED)", "silu": "{0} * tl.sigmoid({0})",
-            "not": "{0} == 0", "invert": "~{0}",
+            "not": "{0} == 0", "invert": "~{0}", "detach": "{0}",
         }  # fmt: skip
         if op == "relu":
             return [f"{v} = tl.maximum({a[0]}, {'0' if integer else '0.0'})"]
@@ -198,6 +199,10 @@ class _Writer:
         if ndim == 0:
             return [f"{v} = tl.load(A[{base}]){convert}"]
         lines, terms, oks = [], [], []
+        a = [
+            f"tl.full([], {x.attrs[0]}, tl.int64)" if x.op == "const" else name
+            for x, name in zip(n.args, a, strict=True)
+        ]  # a constant index: a scalar tensor
         for d in range(ndim):
             size, stride = f"A[{base + 1 + d}]", f"A[{base + 1 + ndim + d}]"
             lines.append(f"{v}_i{d} = sm.wrap_index({a[d]}, {size})")
@@ -331,8 +336,12 @@ class _Writer:
             elif op == "where":
                 add(args[1], f"tl.where({a[0]}, {g}, 0.0)")
                 add(args[2], f"tl.where({a[0]}, 0.0, {g})")
-            elif op == "cast":
-                add(args[0], g)
+            elif op == "cast":  # a half-precision cast's gradient is rounded there too (torch)
+                target = n.attrs[0]
+                if target in ("float16", "bfloat16"):
+                    add(args[0], f"{g}.to(tl.{target}).to(tl.float32)")
+                else:
+                    add(args[0], g)
             elif op == "mod":
                 add(args[0], g)
                 add(args[1], f"-{g} * tl.floor({a[0]} / {a[1]})")

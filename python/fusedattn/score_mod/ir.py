@@ -36,7 +36,7 @@ UNARY_FLOAT = (  # float in, float out (an integer input is converted first, as 
     "exp", "exp2", "expm1", "log", "log2", "log1p", "sqrt", "rsqrt", "sin", "cos", "tan",
     "tanh", "sigmoid", "erf", "gelu", "gelu_tanh", "silu", "softplus",
 )  # fmt: skip
-UNARY_SAME = ("neg", "abs", "sign", "relu", "floor", "ceil", "trunc")  # dtype kept
+UNARY_SAME = ("neg", "abs", "sign", "relu", "floor", "ceil", "trunc", "detach")  # dtype kept
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGICAL = ("and", "or", "xor")
 ARITHMETIC = ("add", "sub", "mul", "div", "floordiv", "mod", "fmod", "truncdiv", "min", "max")

@@ -483,7 +483,7 @@ HANDLERS = {
     "int": _cast_to(torch.int32), "long": _cast_to(torch.int64), "bool": _cast_to(torch.bool),
     "zeros_like": _like(0), "ones_like": _like(1), "full_like": _like(None),
     "__getitem__": _getitem,
-    "clone": lambda x, **kw: x, "contiguous": lambda x, **kw: x, "detach": lambda x, **kw: x,
+    "clone": lambda x, **kw: x, "contiguous": lambda x, **kw: x, "detach": _unop("detach"),
 }  # fmt: skip
 for _op in ir.UNARY_FLOAT:
     if _op not in ("gelu", "gelu_tanh", "softplus"):

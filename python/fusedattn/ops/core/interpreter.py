@@ -1,5 +1,6 @@
 """Triton's CPU interpreter (TRITON_INTERPRET=1) as fusedattn runs it: a `tl.dot` whose rows
-do not depend on each other, and boolean masks on Triton 3.9.
+do not depend on each other, boolean masks on Triton 3.9, and float32 -> bfloat16 rounded to
+nearest even.
 
 The interpreter runs `tl.dot` as numpy's matmul, which hands it to the BLAS. OpenBLAS's
 kernels compute a product's rows in groups whose order of operations depends on where a row
@@ -19,6 +20,13 @@ int64 pos holds int64 0/1 data under an int1 type), and splatting such a scalar 
 3.8 load and store through numpy, which takes it; 3.9's C++ load and store refuse it
 ("mask has unsupported dtype"). The compiled kernel is not affected: there the mask is i1
 (the splat of an i1). So the interpreter's load and store get their masks as bool.
+
+bfloat16: the interpreter's `x.to(tl.bfloat16)` from float32 truncates (Triton 3.6-3.9 call
+their float conversion without a rounding mode; its own round-to-nearest mode does not carry
+into the exponent either), where a GPU rounds to nearest even. A bfloat16 attention's output
+and P·V operand were biased toward zero: its mean error was twice naive bfloat16 PyTorch's on
+the CPU (2026-12-02), against Flex's 1.1x. The interpreter's cast rounds to nearest even here,
+on the bits, NaN kept NaN.
 """
 
 from __future__ import annotations
@@ -68,11 +76,38 @@ def _bool_masks(native):
     return proxy
 
 
+def _rounded_bfloat16(numpy):
+    def rounded(values):
+        """float32 array -> its bfloat16 bits (uint16), rounded to nearest, ties to even."""
+        bits = numpy.ascontiguousarray(values, dtype=numpy.float32).view(numpy.uint32)
+        half = (bits + numpy.uint32(0x7FFF) + ((bits >> 16) & numpy.uint32(1))) >> 16
+        nan = numpy.isnan(values)
+        return numpy.where(nan, (bits >> 16) | numpy.uint32(0x0040), half).astype(numpy.uint16)
+
+    return rounded
+
+
+def _bfloat16_casts(builder, numpy):
+    """The interpreter builder's cast, float32 -> bfloat16 rounded to nearest even."""
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    cast, rounded = builder.cast_impl, _rounded_bfloat16(numpy)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return TensorHandle(rounded(src.data), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+
+
 def install() -> None:
     """Give the interpreter's module a numpy whose matmul is row by row (Triton 3.6-3.9 run
     every dot, tl.dot and the scaled dots, through `np.matmul` in
-    triton/runtime/interpreter.py; its other numpy calls unchanged), and on Triton 3.9 a
-    load and store that take int masks as bool. Once per process."""
+    triton/runtime/interpreter.py; its other numpy calls unchanged), a float32 -> bfloat16
+    cast that rounds to nearest even, and on Triton 3.9 a load and store that take int
+    masks as bool. Once per process."""
     global _installed
     if _installed:
         return
@@ -83,6 +118,8 @@ def install() -> None:
     rowwise.__dict__.update(numpy.__dict__)
     rowwise.matmul = _rowwise_matmul(numpy)
     interpreter.np = rowwise
+    if hasattr(interpreter, "InterpreterBuilder"):
+        _bfloat16_casts(interpreter.InterpreterBuilder, numpy)
     native = getattr(interpreter, "_interpreter", None)
     if native is not None and hasattr(native, "load") and hasattr(native, "store"):
         interpreter._interpreter = _bool_masks(native)
