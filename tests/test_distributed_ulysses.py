@@ -4,7 +4,8 @@ gradient gathered from the ranks), with what the key-splitting strategies cannot
 whole-sequence float mask with its gradient, key padding, ALiBi), per-head inputs sliced to
 each rank's heads, K/V heads replicated where W does not divide them (one K/V head at W = 4);
 the packed form; USP (Ulysses inside, the ring across) as 2x2, 1x4 and 4x1 groups and a
-DeviceMesh; the traffic (one all-to-all each way, no K/V gathered); bad calls refused on every
+DeviceMesh; a per-head block mask with a learnable score_mod bias (each rank its heads'
+share of the mask, h offset to its first head); the traffic (one all-to-all each way, no K/V gathered); bad calls refused on every
 rank. One spawn per group size runs all of its cases (tests/distributed_helpers.py)."""
 
 import pytest
@@ -101,10 +102,76 @@ CASES = [  # (option, layout, backend, dtype)
 ]
 
 
+def flex_inputs(dtype):
+    """A per-head block mask (BLOCK_SIZE 16: partial blocks cut by T = 24), a learnable
+    relative bias per head read by a score_mod, and the whole sequence's tensors."""
+    from fusedattn.masks import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):  # a causal window of 3 + h % 4 keys, or a global key
+        return ((q_idx >= kv_idx) & (q_idx - kv_idx <= 3 + h % 4)) | (kv_idx == 1)
+
+    g = torch.Generator().manual_seed(5)
+    to = getattr(torch, dtype)
+    q = torch.randn(2, HQ, T, D, generator=g).to(to)
+    k, v = (torch.randn(2, 4, T, D, generator=g).to(to) for _ in range(2))
+    dout = torch.randn(2, HQ, T, D, generator=g).to(to)
+    table = torch.randn(HQ, 2 * T - 1, generator=g)
+    mask = create_block_mask(mask_mod, None, HQ, T, T, device="cpu", BLOCK_SIZE=16)
+    return q, k, v, dout, table, mask
+
+
+def flex_call(attend, table, mask, **kw):
+    """attention or context_parallel_attention with the block mask and the bias table's
+    score_mod (h the query head among all HQ)."""
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + T - 1] * (1 + 0.5 * (h == 7))
+
+    return attend(block_mask=mask, score_mod=relative_bias, enable_gqa=True, **kw)
+
+
+FLEX_CASES = [("zigzag", "reference", "float32"), ("contiguous", "triton", "float32")]
+
+
+def run_flex(cp, layout, backend, dtype):
+    """This rank's Ulysses call with the block mask and the score_mod; the whole sequence's
+    out, dq, dk, dv and the table's gradient (each rank's heads' part, summed) back."""
+    import functools
+
+    import torch.distributed as dist
+
+    q, k, v, dout, table, mask = flex_inputs(dtype)
+    shard = lambda t: cp.shard_sequence(t, 2, layout=layout)  # noqa: E731
+    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+    table = table.requires_grad_()
+    attend = functools.partial(cp.context_parallel_attention, *leaves, strategy="ulysses",
+                               layout=layout, backend=backend)  # fmt: skip
+    out = flex_call(attend, table, mask)
+    got = torch.autograd.grad(out, [*leaves, table], shard(dout))
+    whole = [cp.unshard_sequence(t, 2, layout=layout) for t in (out.detach(), *got[:3])]
+    d_table = got[3].clone()
+    dist.all_reduce(d_table)
+    return [*whole, d_table]
+
+
+def flex_truth(dtype, compute):
+    import functools
+
+    import fusedattn
+
+    q, k, v, dout, table, mask = flex_inputs(dtype)
+    leaves = [t.to(compute).requires_grad_() for t in (q, k, v)]
+    table = table.to(compute).requires_grad_()
+    attend = functools.partial(fusedattn.attention, *leaves, backend="reference")
+    out = flex_call(attend, table, mask)
+    return [out, *torch.autograd.grad(out, [*leaves, table], dout.to(compute))]
+
+
 def ulysses_worker(rank, world):
     from fusedattn import distributed as cp
 
-    return [run_ulysses(cp, *case) for case in CASES], varlen_worker(rank, world)
+    dense = [run_ulysses(cp, *case) for case in CASES]
+    return dense, varlen_worker(rank, world), [run_flex(cp, *case) for case in FLEX_CASES]
 
 
 def check(case, got):
@@ -126,6 +193,12 @@ def test_ulysses_equals_attention_on_the_whole_sequence(world):
     dense, packed = results[0][0], [r[1] for r in results]
     for case, got in zip(CASES, dense, strict=True):
         check(case, got)
+    for case, got in zip(FLEX_CASES, results[0][2], strict=True):
+        want, base = flex_truth(case[2], torch.float64), flex_truth(case[2], torch.float32)
+        for name, a, r, b in zip(("out", "dq", "dk", "dv", "d_table"), got, want, base,
+                                 strict=True):  # fmt: skip
+            result = compare_kx(a, r, b, name=f"block_mask + score_mod {case} {name}")
+            assert result.ok, result.message
     check_varlen(packed)
     if world == 4:
         check_bf16_error(dense[CASES.index(("everything", "zigzag", "reference", "bfloat16"))])
@@ -291,10 +364,15 @@ def bad_worker(rank, world):
     import torch.distributed as dist
 
     from fusedattn import distributed as cp
+    from fusedattn.masks import create_block_mask
 
     messages = []
     q = torch.randn(1, 1, 4, 8)  # 1 head for 2 ranks (3 heads split 2 + 1: edges test)
     kv = torch.randn(1, 4, 4, 8)
+    causal = create_block_mask(lambda b, h, i, j: i >= j, None, None, 8, 8, device="cpu",
+                               BLOCK_SIZE=16)  # fmt: skip
+    too_short = create_block_mask(lambda b, h, i, j: i >= j, None, None, 4, 4, device="cpu",
+                                  BLOCK_SIZE=16)  # fmt: skip
     wrong = torch.zeros(2, 8 + rank, dtype=torch.bool)  # rank 1's padding is the wrong length
     for call in (
         lambda: cp.context_parallel_attention(q, q, q, strategy="ulysses"),
@@ -305,6 +383,13 @@ def bad_worker(rank, world):
         lambda: cp.context_parallel_varlen_attention(
             kv[0].transpose(0, 1), *(kv[0].transpose(0, 1),) * 2,
             *(torch.tensor([0, 7], dtype=torch.int32),) * 2, 7, 7),
+        lambda: cp.context_parallel_attention(kv, kv, kv, block_mask=causal),
+        lambda: cp.context_parallel_attention(kv, kv, kv, strategy="allgather",
+                                              score_mod=lambda s, b, h, i, j: s * 2),
+        lambda: cp.context_parallel_attention(kv, kv, kv, strategy="ulysses",
+                                              block_mask=too_short),
+        lambda: cp.context_parallel_attention(kv, kv, kv, strategy="ulysses",
+                                              score_mod=lambda s, b, h, i, j: s.item()),
     ):  # fmt: skip
         try:
             call()
@@ -324,3 +409,8 @@ def test_bad_calls_are_refused_on_every_rank_and_never_hang():
         assert "cannot take key_padding_mask: use strategy='ulysses'" in messages[2]
         assert "group=(ulysses_group, ring_group)" in messages[3]
         assert "7 tokens in the batch" in messages[4]
+        assert "strategy 'ring' splits each row's keys" in messages[5]
+        assert "cannot take block_mask: use strategy='ulysses'" in messages[5]
+        assert "cannot take score_mod: use strategy='ulysses'" in messages[6]
+        assert "block_mask was built for (Q_LEN, KV_LEN) = (4, 4)" in messages[7]
+        assert ".item()" in messages[8]

@@ -33,6 +33,7 @@ Bm is B or 1, Hm is H or 1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -89,6 +90,16 @@ class KernelBlocks:
             for name in ("kv_lists", "kv_kinds", "q_lists", "q_kinds", "bits")
         }
         return KernelBlocks(self.seq_lengths, self.block_size, **moved)
+
+    def heads(self, heads: slice) -> KernelBlocks:
+        """The blocks of query heads `heads` (a per-head mask's share of them, as Ulysses
+        gives a rank; a mask built with H None is every head's): the lists sliced, the
+        partial blocks' bits shared."""
+        if self.kv_lists.shape[1] == 1:
+            return self
+        lists = {name: getattr(self, name)[:, heads]
+                 for name in ("kv_lists", "kv_kinds", "q_lists", "q_kinds")}  # fmt: skip
+        return KernelBlocks(self.seq_lengths, self.block_size, bits=self.bits, **lists)
 
     def kinds_grid(self) -> torch.Tensor:
         """(Bm, Hm, nQB, nKB) int64: -2 empty, -1 full, >= 0 the partial block's bits row.
@@ -206,6 +217,25 @@ class BlockMask(TorchBlockMask):
         """torch's slicing (batch, head, query-block rows; mask_mod reset, as torch does: a
         sliced mask is refused until one is assigned)."""
         return _as_ours(super().__getitem__(index))
+
+
+def _offset_heads(mask_mod, start, b, h, q_idx, kv_idx):
+    return mask_mod(b, h + start, q_idx, kv_idx)
+
+
+def heads_of(mask: TorchBlockMask, heads: slice, device) -> BlockMask:
+    """The mask of query heads `heads` (start:stop) of a BlockMask with a head dimension, as
+    a BlockMask of its own whose head h is the original's h + start: torch's slice of the
+    fields, mask_mod offset, and the kernels' form on `device` sliced from the original's
+    (the partial blocks' bits are not evaluated again). A mask with H None: itself."""
+    num = mask.kv_num_blocks
+    if num.dim() < 2 or num.shape[-2] == 1:
+        return mask
+    index = (slice(None),) * (num.dim() - 2) + (heads,)
+    sliced = _as_ours(TorchBlockMask.__getitem__(mask, index))
+    sliced.mask_mod = functools.partial(_offset_heads, mask.mask_mod, heads.start)
+    sliced._kernel[torch.device(device)] = from_torch(mask, device).heads(heads)
+    return sliced
 
 
 def _as_ours(mask: TorchBlockMask) -> BlockMask:

@@ -37,8 +37,8 @@ __all__ = [
 
 
 def _broadcast_kv(query, key, value, block_mask):
-    """K/V of another batch size, as Flex takes them with a block mask of query's batch:
-    batch b reads K/V batch b % Bkv (a view for Bkv = 1)."""
+    """K/V of batch 1 with a query batch Bq, as Flex takes them with a block mask of query's
+    batch: every batch reads the one K/V (a stride-0 view)."""
     Bq, Bkv = query.size(0), key.size(0)
     if Bq == Bkv:
         return key, value
@@ -53,12 +53,9 @@ def _broadcast_kv(query, key, value, block_mask):
             f"to have the same batch size, but got Bq={Bq}, Bkv={Bkv}, "
             f"B_block_mask={block_mask.kv_num_blocks.size(0)}."
         )
-    if Bq % Bkv:
-        raise ValueError(f"key/value batch {Bkv} does not divide query batch {Bq}")
-    if Bkv == 1:
-        return key.expand(Bq, *key.shape[1:]), value.expand(Bq, *value.shape[1:])
-    reps = (Bq // Bkv, 1, 1, 1)
-    return key.repeat(reps), value.repeat(reps)
+    if Bkv != 1:  # torch's own check (torch/_higher_order_ops/flex_attention.py)
+        raise RuntimeError(f"Bq and Bkv must broadcast. Got Bq={Bq} and Bkv={Bkv}")
+    return key.expand(Bq, *key.shape[1:]), value.expand(Bq, *value.shape[1:])
 
 
 def flex_attention(

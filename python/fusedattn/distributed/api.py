@@ -4,12 +4,14 @@ all-gather (ring.py), Ulysses (ulysses.py), or USP, Ulysses inside and the ring 
 
 from __future__ import annotations
 
+import functools
 import numbers
 import zlib
 
 import torch
 import torch.distributed as dist
 
+from ..block_mask import heads_of, is_torch_block_mask
 from ..checks import (
     check_attention_args,
     check_bool,
@@ -17,7 +19,9 @@ from ..checks import (
     check_varlen_args,
 )
 from ..ops import attention, varlen_attention
+from ..ops.attention.api import check_block_mask, flex_backend
 from ..ops.core import backends
+from ..score_mod import prepare as prepare_score_mod
 from . import ring, ulysses
 from .sharding import _check_layout, _world, chunk_offsets
 
@@ -136,6 +140,49 @@ def _slice_heads(x, rank, world, H, dim):
     return x.narrow(dim, heads.start, heads.stop - heads.start)
 
 
+def _check_flex(flex, full, backend) -> dict:
+    """A Ulysses call's block mask (for the whole sequence and all Hq heads) and score_mod
+    checked as `attention` checks them (before any collective); the score_mod prepared, as
+    the backend choice sees it."""
+    out = {}
+    if flex["block_mask"] is not None:
+        check_block_mask(flex["block_mask"], full[0], full[1])
+    if flex["score_mod"] is not None:
+        out["score_mod"] = prepare_score_mod(flex["score_mod"], full[0].device)
+    if out or flex["block_mask"] is not None:
+        flex_backend(backend, full[0], flex["block_mask"], flex["score_mod"])
+    return out
+
+
+def _flex_fields(flex) -> tuple:
+    """What every rank must agree on of a block mask (its sizes; its blocks are the caller's
+    to keep equal, as an attn_mask's values are)."""
+    mask = flex["block_mask"]
+    if not is_torch_block_mask(mask):  # None, or refused by _check_flex on every rank
+        return (None if mask is None else type(mask).__name__, flex["score_mod"] is not None)
+    sizes = tuple(mask.kv_num_blocks.shape), tuple(mask.seq_lengths), str(mask.BLOCK_SIZE)
+    return (*sizes, flex["score_mod"] is not None)
+
+
+def _rank_flex(flex, device, rank, world, H) -> dict:
+    """The block mask and score_mod of this rank's query heads: a per-head mask's share of
+    the heads (block_mask.heads_of, h offset), a score_mod called with h the head's number
+    among all Hq."""
+    out = {}
+    heads = ulysses.head_slice(rank, world, H)
+    if flex["block_mask"] is not None:
+        out["block_mask"] = heads_of(flex["block_mask"], heads, device)
+    if flex["score_mod"] is not None:
+        mod = flex["score_mod"]
+        out["score_mod"] = mod if heads.start == 0 else functools.partial(
+            _offset_heads, mod, heads.start)  # fmt: skip
+    return out
+
+
+def _offset_heads(score_mod, start, score, b, h, q_idx, kv_idx):
+    return score_mod(score, b, h + start, q_idx, kv_idx)
+
+
 def _mesh_groups(group):
     """(ulysses group, ring group) of USP's `group`: a pair, or a DeviceMesh with dimensions
     named "ring" and "ulysses"."""
@@ -196,11 +243,16 @@ def context_parallel_attention(
     attn_mask: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    block_mask=None,
+    score_mod=None,
 ):
     """This rank's shard of `fusedattn.attention` over the whole sequence; see the package
     docstring. q (B, Hq, T/W, D), k (B, Hkv, T/W, D), v (B, Hkv, T/W, Dv): this rank's shard
-    (`shard_sequence`). attn_mask, key_padding_mask and alibi_slopes (strategy "ulysses"
-    only) are the whole sequence's, the same on every rank. Returns out (B, Hq, T/W, Dv)
+    (`shard_sequence`). attn_mask, key_padding_mask, alibi_slopes, block_mask and score_mod
+    (strategy "ulysses" only) are the whole sequence's, the same on every rank: a block mask
+    built for (Q_LEN, KV_LEN) = (T, T) in natural order whatever the layout, a score_mod's
+    q_idx and kv_idx positions in the whole sequence and h the query head of all Hq (each
+    rank runs its heads' share of a per-head mask). Returns out (B, Hq, T/W, Dv)
     [, lse (B, Hq, T/W) float32]."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context_parallel_attention needs torch.distributed initialised")
@@ -215,10 +267,11 @@ def context_parallel_attention(
     check_bool("return_lse", return_lse)
     given = {"attn_mask": attn_mask, "key_padding_mask": key_padding_mask,
              "alibi_slopes": alibi_slopes}  # fmt: skip
+    flex = {"block_mask": block_mask, "score_mod": score_mod}
     if strategy in ("ulysses", "usp"):
         return _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
-                        sinks, layout, strategy, dropout_p, return_lse, backend, given)  # fmt: skip
-    whole_row = [name for name, value in given.items() if value is not None]
+                        sinks, layout, strategy, dropout_p, return_lse, backend, given, flex)  # fmt: skip
+    whole_row = [name for name, value in {**given, **flex}.items() if value is not None]
     if whole_row:
         raise ValueError(
             f"strategy {strategy!r} splits each row's keys over the ranks and cannot take "
@@ -250,7 +303,7 @@ def context_parallel_attention(
 
 
 def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap, sinks, layout,
-             strategy, dropout_p, return_lse, backend, given):  # fmt: skip
+             strategy, dropout_p, return_lse, backend, given, flex):  # fmt: skip
     """Ulysses (or USP: Ulysses inside group[0], the ring across group[1])."""
     usp = strategy == "usp"
     u_group, r_group = _mesh_groups(group) if usp else (group, None)
@@ -262,7 +315,7 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
     try:  # every local check; a failure is raised on every rank by _agree, never a hang
         if usp:
             _check_usp_groups(u_group, r_group)
-            whole_row = [name for name, value in given.items() if value is not None]
+            whole_row = [name for name, value in {**given, **flex}.items() if value is not None]
             if whole_row or dropout_p:
                 what = ", ".join(whole_row + (["dropout_p"] if dropout_p else []))
                 raise ValueError(
@@ -293,18 +346,20 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
         if usp:  # the ring's blocks on this rank's heads
             ring._check_backend(*heads, scale, True, window, softcap, backend)
         else:
+            flex_args = _check_flex(flex, full, backend)
             backends.select("attention", backend, q.device, dict(
                 q=heads[0], k=heads[1], v=heads[2], attn_mask=given["attn_mask"],
                 dropout_p=dropout_p, scale=scale, enable_gqa=True,
                 key_padding_mask=given["key_padding_mask"], window=window,
                 softcap=float(softcap), alibi_slopes=given["alibi_slopes"], sinks=sinks,
-                return_lse=return_lse,
+                return_lse=return_lse, **flex_args,
             ))  # fmt: skip
     except (ValueError, TypeError) as exc:
         error = exc
     crc = _options_crc(layout, strategy, is_causal, window_size, softcap, scale, dropout_p,
                        return_lse, backend, str(q.dtype), *(None if t is None else
-                       tuple(t.shape) for t in (*given.values(), sinks)))  # fmt: skip
+                       tuple(t.shape) for t in (*given.values(), sinks)),
+                       *_flex_fields(flex))  # fmt: skip
     _agree(_shape_fields(q, k, v), crc, error, [u_group] if not usp else [u_group, r_group],
            q.device)  # fmt: skip
     qh, kh, vh = ulysses.to_heads(q, k, v, u_group, U, layout, n * U, u_rank)
@@ -326,7 +381,7 @@ def _ulysses(q, k, v, group, is_causal, scale, enable_gqa, window_size, softcap,
             scale, qh.shape[1] != kh.shape[1], key_padding_mask=given["key_padding_mask"],
             window_size=window_size, softcap=softcap,
             alibi_slopes=_slice_heads(given["alibi_slopes"], dim=-1, **hs), sinks=sinks_h,
-            return_lse=return_lse, backend=backend,
+            return_lse=return_lse, backend=backend, **_rank_flex(flex, qh.device, **hs),
         )  # fmt: skip
         out, lse = result if return_lse else (result, None)
     out = ulysses.to_sequence(out, u_group, U, layout, n * U, Hq, u_rank)

@@ -147,7 +147,7 @@ def _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse):
     q = inputs["q"]
     bm = None if block_mask is None else check_block_mask(block_mask, q, inputs["k"])
     mod = None if score_mod is None else prepare_score_mod(score_mod, q.device)
-    backend = _flex_backend(backend, q, block_mask, score_mod)
+    backend = flex_backend(backend, q, block_mask, score_mod)
     if mod is not None:
         inputs["score_mod"] = mod
     impl = backends.select("attention", backend, q.device, inputs)
@@ -167,7 +167,7 @@ def _flex_names(block_mask, score_mod) -> str:
                         if x is not None)  # fmt: skip
 
 
-def _flex_backend(backend: str, q: torch.Tensor, block_mask, score_mod) -> str:
+def flex_backend(backend: str, q: torch.Tensor, block_mask, score_mod) -> str:
     """The backend a block-mask or score_mod call asks for: CUDA refused by name; auto the
     Triton kernels on a GPU (they skip what the mask hides and run the mod in the tile),
     torch's dense path off one."""
@@ -330,7 +330,7 @@ def varlen_attention(
                       out_dtype=output_dtype(q, out_dtype) if is_fp8(q) else None)  # fmt: skip
     if score_mod is not None:
         inputs["score_mod"] = prepare_score_mod(score_mod, q.device)
-        backend = _flex_backend(backend, q, None, score_mod)
+        backend = flex_backend(backend, q, None, score_mod)
     impl = backends.select("varlen_attention", backend, q.device, inputs)
     if score_mod is not None and impl.backend == "triton":
         return _varlen_flex(**inputs)
