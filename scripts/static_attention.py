@@ -63,8 +63,53 @@ VARIANTS = {
         kpm=True,
         mask="float",
     ),
+    # block masks (issue #84 item 4): a document-causal BlockMask (documents of 1000 tokens:
+    # full, partial and empty blocks) at each block size, with and without a score_mod; the
+    # launcher fits each kernel's tiles into the blocks (triton_args.block_sparse_config)
+    **{f"blocks{bs}": dict(blocks=bs) for bs in (128, 64, 32, 16)},
+    **{
+        f"blocks{bs}_{mod}": dict(blocks=bs, mod=mod)
+        for bs in (128, 64, 32, 16)
+        for mod in ("relative_bias", "learnable_bias", "softcap")
+    },
+    # score_mods on the dense kernels: the hook must not add spills there either
+    "relative_bias": dict(mod="relative_bias"),
+    "learnable_bias": dict(mod="learnable_bias"),
+    "softcap_mod": dict(mod="softcap"),
 }
 KERNELS = ("fwd", "dkdv", "dq")
+
+
+def _score_mod(kind: str):
+    """(ScoreMod, its captures' float32 gradient buffers or None) for a screen variant: a
+    relative-position bias per head (a gather by q - kv), the same table learnable (dq adds
+    its gradient with atomics), or softcap as a pointwise mod."""
+    import torch
+
+    from fusedattn.score_mod import prepare
+
+    table = torch.empty(H, 2 * T, requires_grad=kind == "learnable_bias")
+    if kind == "softcap":
+        fn = lambda s, b, h, q, kv: torch.tanh(s / 30.0) * 30.0  # noqa: E731
+    else:
+        fn = lambda s, b, h, q, kv: s + table[h, q - kv + T]  # noqa: E731
+    mod = prepare(fn, torch.device("cpu"))
+    grads = [torch.empty(t.shape) if t.requires_grad else None for t in mod.tensors]
+    return mod, grads if any(g is not None for g in grads) else None
+
+
+def _document_blocks(bs: int):
+    """The kernels' form of a document-causal mask over T (documents of 1000 tokens)."""
+    import torch
+
+    from fusedattn.masks import create_block_mask
+
+    doc = torch.arange(T) // 1000
+    mask = create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), None, None,
+                             T, T, device="cpu", BLOCK_SIZE=bs)  # fmt: skip
+    return mask.kernel_blocks()
+
+
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")  # as sm90_static.loops reads cuobjdump
 
@@ -108,6 +153,12 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
                              alibi_or_varlen=bool(v.get("alibi") or v.get("varlen")))  # fmt: skip
     if tiles is not None:
         cfg = dataclasses.replace(cfg, **{kernel: tiles})
+    elif v.get("blocks") or v.get("mod"):  # the tiles a GPU call with them gets
+        from fusedattn.ops.attention.triton_args import block_sparse_config, flex_config
+
+        size = (v["blocks"], v["blocks"]) if v.get("blocks") else None
+        cfg = flex_config(block_sparse_config(cfg, *size) if size else cfg, size,
+                          bool(v.get("mod")))  # fmt: skip
     bf16 = dict(dtype=torch.bfloat16)
     inputs = dict(dtype=torch.float8_e4m3fn) if fp8 else bf16
     if v.get("varlen"):
@@ -128,13 +179,17 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
         mask = torch.empty(B, 1, T, T, dtype=torch.bool)
     elif v.get("mask") == "float":
         mask = torch.empty(B, 1, T, T, **bf16)
+    mod, mod_grads = _score_mod(v["mod"]) if v.get("mod") else (None, None)
     L = TritonAttentionLaunch(
         q, k, vv, mask, torch.empty(B, T, dtype=torch.bool) if v.get("kpm") else None,
         torch.empty(H) if v.get("alibi") else None, torch.empty(H) if v.get("sinks") else None,
         window_left=v.get("window_left", -1), window_right=v.get("window_right", -1),
         bottom_right=False, scale=D**-0.5, softcap=v.get("softcap", 0.0), dropout_p=0.0,
         seed=None, config=cfg, interpreted=False, **varlen,
+        block=_document_blocks(v["blocks"]) if v.get("blocks") else None,
+        mod=mod,
     )  # fmt: skip
+    L.mod_grads = mod_grads
     if kernel == "fwd":
         fn, (grid, args, constexprs) = A.attention_fwd, L.fwd_args(q, k, vv, out, lse)
     elif kernel == "dkdv":
@@ -148,7 +203,7 @@ def compile_one(tool_path: str, variant: str, kernel: str, tiles=None, D: int = 
             L.dq_args(q, k, vv, out, out, lse, lse, torch.empty_like(q), torch.empty(0), False),
         )
     compiled = fn.warmup(*args, grid=grid, **constexprs)
-    t = getattr(cfg, kernel)
+    t = getattr(L.cfg, kernel)  # a block mask's fitted tiles
     row = dict(
         variant=variant,
         head_dim=D,

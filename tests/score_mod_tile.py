@@ -11,6 +11,7 @@ import triton.language as tl
 
 import fusedattn.score_mod as score_mod_package
 from fusedattn.ops.core import backends, interpreter
+from fusedattn.triton_kernels import score_mod_math as sm
 
 if backends.triton_interpreter_enabled():  # the interpreter as the attention kernels run in it
     interpreter.install()
@@ -45,3 +46,17 @@ def run_tile(fn, scores: torch.Tensor, dy: torch.Tensor, b: int, h: int):
     _apply[(1,)](scores.contiguous(), out, ds, dy.contiguous(), b, h, Tq, Tk,
                  functions.score_mod, dmod, mod.arguments(grads), BM=block(Tq), BN=block(Tk))  # fmt: skip
     return out, ds, grads
+
+
+@triton.jit
+def _tanh(X, Y, N: tl.constexpr, FAST: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, sm.tanh(tl.load(X + i), False, FAST))
+
+
+def tanh_tile(x: torch.Tensor, fast: bool) -> torch.Tensor:
+    """score_mod_math.tanh's compiled forms (INTERPRETED False) on x (a power-of-two length):
+    libdevice's (a GPU only) or, FAST, the built-in softcap's exp2 form."""
+    y = torch.empty_like(x)
+    _tanh[(1,)](x, y, x.numel(), fast)
+    return y

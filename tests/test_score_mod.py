@@ -638,3 +638,72 @@ def test_deterministic_mode_takes_one_term_gradients_and_refuses_atomics_sums():
                                 score_mod=lambda s, b, h, qi, kv: s + relative[h, qi - kv + 20])  # fmt: skip
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+# ---- loads proven in range, tanh's fast form ------------------------------------------------------
+
+
+def test_indices_proven_inside_their_tensor_load_without_the_bounds_mask():
+    """bounds.py: an affine index of the inputs is bounded by the call's extents (B, H, Tq,
+    Tk); a load it proves inside its tensor has no wrap, mask or assert; the rest keep them."""
+    T = 30
+    rel = _randn(2, 2 * T - 1, seed=5)
+    dist = torch.zeros(1, T, T, dtype=torch.int64)
+    table = _randn(2, 8, seed=6)
+
+    def prove(fn, extents=(1, 2, T, T)):
+        mod = score_mod_package.prepare(fn, rel.device)
+        shapes = tuple(tuple(t.shape) for t in mod.tensors)
+        return mod.compiled.proven(shapes, extents), mod
+
+    assert prove(lambda s, b, h, q, kv: s + rel[h, q - kv + T - 1])[0] == (True,)
+    assert prove(lambda s, b, h, q, kv: s + rel[h, q - kv + T - 1], (1, 2, T + 1, T))[0] == (False,)
+    assert prove(lambda s, b, h, q, kv: s + rel[h, q - kv])[0] == (False,)  # negative: wraps
+    assert prove(lambda s, b, h, q, kv: s + rel[h, (q - kv) // 4 % 8])[0] == (True,)
+    assert prove(lambda s, b, h, q, kv: s + rel[h % 2, torch.clamp(kv - q, -5, 5) + 5])[0] == (True,)  # fmt: skip
+    proven, mod = prove(lambda s, b, h, q, kv: s + table[h, dist[b, q, kv]])
+    assert proven == (True, False)  # dist's indices are the inputs; table's index is data
+    text = score_mod_package.codegen.source(mod.compiled.output, mod.compiled.graph,
+                                            (False, False), False, "m", ["dist", "table"], proven)  # fmt: skip
+    assert text.count("tl.device_assert") == 2  # table's, in score_mod and score_mod_dscore
+    assert text.count("sm.wrap_index") == 4  # its two dims, twice
+
+
+def test_a_proven_load_still_reads_inside_the_last_query_tile_past_the_sequence():
+    """Rows past Q_LEN in the last query tile (interior key tiles included) see q_idx moved to
+    the last row, and give no gradient, so a proven, unmasked load never reads past its table:
+    the memory after it here is NaN, which would reach the table's gradient."""
+    q, k, v = (_randn(1, 2, 37, 16, seed=i) for i in (31, 32, 33))
+    buffer = torch.full((3, 37), float("nan"), device=q.device)
+    buffer[:2] = _randn(2, 37, seed=34)
+    buffer.requires_grad_()
+    want_t = buffer.detach()[:2].double().requires_grad_()
+
+    def mod(s, b, h, q_idx, kv_idx):
+        return s + per_query[h, q_idx] * 0.5
+
+    def mod64(s, b, h, q_idx, kv_idx):
+        return s + want_t[h, q_idx] * 0.5
+
+    per_query = buffer[:2]  # a view: row 2 (NaN) lies right after it
+    out = fusedattn.attention(q, k, v, score_mod=mod, backend="triton")
+    want = reference.attention(q.double(), k.double(), v.double(), score_mod=mod64)
+    grad = _randn(*out.shape, seed=35)
+    (g,) = torch.autograd.grad(out, buffer, grad)
+    (w,) = torch.autograd.grad(want, want_t, grad.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g[:2].double(), w, rtol=1e-3, atol=1e-5)
+    assert torch.equal(g[2], torch.zeros_like(g[2]))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_tanh_fast_form_is_within_3e_7_of_torch(fast):
+    """sm.tanh(x, INTERPRETED=False, FAST): the compiled GPU forms (libdevice's needs a GPU;
+    the fast form, 1 - 2 / (2^(2x log2 e) + 1), runs here in the interpreter)."""
+    if not fast and not torch.cuda.is_available():
+        pytest.skip("libdevice.tanh runs on a GPU only")
+    from score_mod_tile import tanh_tile
+
+    x = torch.linspace(-12, 12, 1024, device=torch.get_default_device())
+    y = tanh_tile(x, fast)
+    assert (y.double() - torch.tanh(x.double())).abs().max() < 3e-7

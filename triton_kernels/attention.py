@@ -152,7 +152,7 @@ def _fwd_block(
         )  # fmt: skip
     elif BLOCK_SPARSE:
         acc, l_i, m_i = attention_blocks.fwd_listed_blocks(
-            acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, mid_lo, mid_hi, hi, rows, d, dv,
+            acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
             b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
             window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk,
             dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK, MASK_IS_BOOL,
@@ -335,8 +335,8 @@ def attention_bwd_dkdv(
         DELTA_head = DELTA + b * slse_b + h * slse_h + q_start
         if BLOCK_SPARSE:  # the query blocks a block mask lists (attention_blocks.py)
             dk, dv_acc = attention_blocks.dkdv_listed_blocks(
-                dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, mid_lo,
-                mid_hi, hi, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap,
+                dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi,
+                cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap,
                 window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
                 Tq, Tk, dropout_p, start_n, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK,
                 MASK_IS_BOOL, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION,
@@ -471,8 +471,8 @@ def attention_bwd_dq(
             p_sum = tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - lse2)
         if BLOCK_SPARSE:
             dq, delta, p_sum = attention_blocks.dq_listed_blocks(
-                dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, mid_lo,
-                mid_hi, hi, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2,
+                dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows,
+                d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2,
                 scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q,
                 sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h,
                 sl_r, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
@@ -496,8 +496,8 @@ def attention_bwd_dq(
     tl.store(DELTA + b * slse_b + h * slse_h + row_ptr, delta, mask=inb)
     if BLOCK_SPARSE:  # the key blocks a block mask lists (attention_blocks.py)
         dq, delta, p_sum = attention_blocks.dq_listed_blocks(
-            dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, mid_lo, mid_hi,
-            hi, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale,
+            dq, delta, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows, d,
+            dv, DMASK_row, b, h, bh, q_len, k_len, Tk, offset, slope2, scale,
             softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b,
             D, Dv, Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r, HAS_MASK,
             MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, False,

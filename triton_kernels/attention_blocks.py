@@ -12,10 +12,13 @@ visible blocks in ascending order, both orientations:
 
 b and h strides are 0 where the mask broadcasts (built with B or H None). Partial block p's
 bits are BITS[p] (BS_Q rows of BS_K / 32 int32 words; key j of row i is bit j % 32 of word
-j // 32), read through _mask_tile's packed mode. Full blocks read no mask: their tiles run as
-the dense kernels' do, split by the window into boundary and interior parts
-(attention_loops._part_bounds). A user's attn_mask in the same call is merged with the block mask
-by the launcher (a dense mask the tiles read instead of the bits; the lists still skip).
+j // 32), read through _mask_tile's packed mode. Full and partial blocks run in one tile loop
+per listed block: a full block's bit words are not loaded (_mask_tile's PARTIAL predicate: they
+read as all ones), and every tile applies the positional mask (window, sequence bounds). The
+four inlined loops this replaced (a partial block's, and a full block's three window parts)
+spilled at the Hopper tiles; one loop spills nowhere (benchmarks/results/sm90-static/flex.csv).
+A user's attn_mask in the same call is merged with the block mask by the launcher (a dense
+mask the tiles read instead of the bits; the lists still skip).
 
 The kernels' tiles divide the blocks (the launcher caps BLOCK_M at BS_Q and BLOCK_N at
 BS_K), so a tile lies in one block, and every visited tile is one the mask lists.
@@ -41,7 +44,7 @@ def _bits_base(BITS, kind, q_block, BS_Q: tl.constexpr, BS_K: tl.constexpr):
 
 @triton.jit
 def fwd_listed_blocks(
-    acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, mid_lo, mid_hi, hi, rows, d, dv,
+    acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
     b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right,
     MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, start_m,
     LISTS, KINDS, BITS, sl_b, sl_h, sl_r,
@@ -74,8 +77,8 @@ def fwd_listed_blocks(
                 MASK_IN_DOT, BLOCK_N, BLOCK_D, BLOCK_DV, FP8,
                 SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
-        elif kind >= 0:  # partial: its bits
-            bits = _bits_base(BITS, kind, q_block, BS_Q, BS_K)
+        else:  # partial blocks read their bits, full ones none (PARTIAL): one loop for both
+            bits = _bits_base(BITS, tl.maximum(kind, 0), q_block, BS_Q, BS_K)
             acc, l_i, m_i = loops._fwd_tiles(
                 acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, first, last, rows, d, dv,
                 b, h, hk, bh, q_len, k_len, offset, slope2, scale, softcap, window_left,
@@ -83,30 +86,17 @@ def fwd_listed_blocks(
                 dropout_p, True, 2, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                 True, PRECISION, DOT_IN_FP32, INTERPRETED, 0, False, BITS_IN_DOT, BLOCK_N,
                 BLOCK_D, BLOCK_DV, FP8,
-                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, PARTIAL=kind >= 0,
             )  # fmt: skip
-        else:  # full: no mask; the window's interior without the positional mask either
-            for part in tl.static_range(3):
-                p_first, p_last = loops._part_bounds(part, lo, mid_lo, mid_hi, hi)
-                acc, l_i, m_i = loops._fwd_tiles(
-                    acc, l_i, m_i, q, K_head, V_head, sk_t, sv_t, tl.maximum(p_first, first),
-                    tl.minimum(p_last, last), rows, d, dv, b, h, hk, bh, q_len, k_len, offset,
-                    slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED, sm_b,
-                    sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, False, False,
-                    HAS_KPM and part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-                    part != 1, PRECISION, DOT_IN_FP32, INTERPRETED, 0, False, False, BLOCK_N,
-                    BLOCK_D, BLOCK_DV, FP8,
-                    SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
-                )  # fmt: skip
     return acc, l_i, m_i
 
 
 @triton.jit
 def dq_listed_blocks(
-    dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, mid_lo, mid_hi,
-    hi, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale,
-    softcap, window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv,
-    Tq, Tk, dropout_p, start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r,
+    dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, lo, hi, rows, d, dv,
+    DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap, window_left,
+    window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
+    start_m, LISTS, KINDS, BITS, sl_b, sl_h, sl_r,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DELTA_PASS: tl.constexpr,
@@ -135,8 +125,8 @@ def dq_listed_blocks(
                 DOT_IN_FP32, INTERPRETED, BLOCK_N,
                 SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
-        elif kind >= 0:
-            bits = _bits_base(BITS, kind, q_block, BS_Q, BS_K)
+        else:
+            bits = _bits_base(BITS, tl.maximum(kind, 0), q_block, BS_Q, BS_K)
             dq, delta_sum, p_sum = loops._dq_tiles(
                 dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t, first,
                 last, rows, d, dv, DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2,
@@ -145,29 +135,17 @@ def dq_listed_blocks(
                 SOFTCAP, HAS_ALIBI, DROPOUT, True, DELTA_PASS, False, PRECISION, DOT_IN_FP32,
                 INTERPRETED, BLOCK_N,
                 SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+                PARTIAL=kind >= 0,
             )  # fmt: skip
-        else:
-            for part in tl.static_range(3):
-                p_first, p_last = loops._part_bounds(part, lo, mid_lo, mid_hi, hi)
-                dq, delta_sum, p_sum = loops._dq_tiles(
-                    dq, delta_sum, p_sum, q, do, lse2, delta, K_head, V_head, sk_t, sv_t,
-                    tl.maximum(p_first, first), tl.minimum(p_last, last), rows, d, dv,
-                    DMASK_row, b, h, bh, q_len, k_len, Tk_dense, offset, slope2, scale, softcap,
-                    window_left, window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b,
-                    D, Dv, Tq, Tk, dropout_p, False, False, HAS_KPM and part != 1, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, DELTA_PASS, False,
-                    PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_N,
-                    SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
-                )  # fmt: skip
     return dq, delta_sum, p_sum
 
 
 @triton.jit
 def dkdv_listed_blocks(
-    dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, mid_lo, mid_hi,
-    hi, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left,
-    window_right, MASK, KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p,
-    start_n, LISTS, KINDS, BITS, sl_b, sl_h, sl_r,
+    dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, lo, hi, cols, d, dv,
+    b, h, bhq, q_len, k_len, offset, slope2, scale, softcap, window_left, window_right, MASK,
+    KPM, SEED, sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, start_n, LISTS, KINDS,
+    BITS, sl_b, sl_h, sl_r,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
@@ -195,8 +173,8 @@ def dkdv_listed_blocks(
                 False,
                 SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
             )  # fmt: skip
-        elif kind >= 0:
-            bits = _bits_base(BITS, kind, q_block, BS_Q, BS_K)
+        else:
+            bits = _bits_base(BITS, tl.maximum(kind, 0), q_block, BS_Q, BS_K)
             dk, dv_acc = loops._dkdv_tiles(
                 dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t, first,
                 last, last, last, cols, d, dv, b, h, bhq, q_len, k_len, offset, slope2, scale,
@@ -204,19 +182,6 @@ def dkdv_listed_blocks(
                 D, Dv, Tq, Tk, dropout_p, True, 2, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_ALIBI, DROPOUT, True, PRECISION, DOT_IN_FP32, INTERPRETED, BLOCK_M, False,
                 SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+                PARTIAL=kind >= 0,
             )  # fmt: skip
-        else:
-            for part in tl.static_range(3):
-                p_first, p_last = loops._part_bounds(part, lo, mid_lo, mid_hi, hi)
-                p_first = tl.maximum(p_first, first)
-                p_last = tl.minimum(p_last, last)
-                dk, dv_acc = loops._dkdv_tiles(
-                    dk, dv_acc, k, v, Q_head, DO_head, LSE_head, DELTA_head, sq_t, sdo_t,
-                    p_first, p_last, p_last, p_last, cols, d, dv, b, h, bhq, q_len, k_len,
-                    offset, slope2, scale, softcap, window_left, window_right, MASK, KPM, SEED,
-                    sm_b, sm_h, sm_q, sm_k, skp_b, D, Dv, Tq, Tk, dropout_p, False, False, False,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, part != 1, PRECISION,
-                    DOT_IN_FP32, INTERPRETED, BLOCK_M, False,
-                    SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
-                )  # fmt: skip
     return dk, dv_acc

@@ -147,12 +147,13 @@ def _tile_scores(
 
 @triton.jit
 def _mod_indices(qi, kj, q_len, k_len, POSITIONAL: tl.constexpr):
-    """The query and key indices a score_mod sees: the tile's own, and on boundary tiles those
-    past the sequence moved to its last row and key (their scores are hidden anyway), so that
-    a mod indexing a (Q_LEN, KV_LEN) table never reads past it."""
-    if POSITIONAL:
-        return tl.minimum(qi, q_len - 1), tl.minimum(kj, k_len - 1)
-    return qi, kj
+    """The query and key indices a score_mod sees: the tile's own, those past the sequence
+    moved to its last row and key (their scores are hidden and their rows never stored), so
+    that a mod indexing a (Q_LEN, KV_LEN) table never reads past it. On every tile, interior
+    ones included (POSITIONAL is about the keys: the last query tile may still run past
+    Q_LEN): the generated loads whose indices bounds.py proves inside the tensor for indices
+    in [0, Q_LEN) x [0, KV_LEN) carry no bounds mask."""
+    return tl.minimum(qi, q_len - 1), tl.minimum(kj, k_len - 1)
 
 
 @triton.jit
@@ -162,16 +163,14 @@ def _mod_grad(ds, qk, scale, b, h, qi, kj, q_len, k_len, MOD_ARGS, SCORE_MOD_GRA
     (SCORE_MOD_GRAD: codegen.py's score_mod_grad in the dq kernel, which also adds the
     captured tensors' gradients, score_mod_dscore in dK/dV's)."""
     qi_m, kj_m = _mod_indices(qi, kj, q_len, k_len, POSITIONAL)
-    inside = None
-    if POSITIONAL:
-        inside = (qi < q_len) & (kj < k_len)
+    inside = (qi < q_len) & (kj < k_len)  # no gradient from past the sequence (any tile)
     return SCORE_MOD_GRAD(qk * scale, b.to(tl.int32), h.to(tl.int32), qi_m, kj_m, MOD_ARGS, ds,
                           inside)  # fmt: skip
 
 
 @triton.jit
 def _mask_tile(MASK, b, h, qi, kj, q_len, k_len, sm_b, sm_h, sm_q, sm_k,
-               POSITIONAL: tl.constexpr, MASK_IS_BOOL: tl.constexpr = False):  # fmt: skip
+               POSITIONAL: tl.constexpr, MASK_IS_BOOL: tl.constexpr = False, PARTIAL=None):  # fmt: skip
     """The attn_mask's entries at query rows qi and keys kj (broadcast to the tile's shape),
     0 outside [0, q_len) x [0, k_len) on boundary tiles (POSITIONAL). Interior tiles read
     without bounds, so the loads carry no predicate and the tile no select after them: the
@@ -181,11 +180,16 @@ def _mask_tile(MASK, b, h, qi, kj, q_len, k_len, sm_b, sm_h, sm_q, sm_k,
     MASK_IS_BOOL == 2: a block mask's partial block, packed 32 keys to an int32 word (bit
     j % 32 of word j // 32 of row i, j the key's offset in its block; attention_blocks.py):
     MASK is offset so that row qi is words qi * sm_q on, and sm_k is the block's width - 1
-    (a power of two), so kj & sm_k is the offset (a 16-key block: the low bits of one word)."""
+    (a power of two), so kj & sm_k is the offset (a 16-key block: the low bits of one word).
+    PARTIAL (a runtime bool, or None): False for a full block, whose words are not read and
+    every bit is 1 (attention_blocks.py runs full and partial blocks in one loop); where it
+    is given, entries outside the sequence read as 1 too (the positional mask hides them)."""
     if MASK_IS_BOOL == 2:
         local = kj & sm_k
         ptrs = MASK + qi.to(tl.int64) * sm_q + (local >> 5)
-        if POSITIONAL:
+        if PARTIAL is not None:
+            words = tl.load(ptrs, mask=(qi < q_len) & (kj < k_len) & PARTIAL, other=-1)
+        elif POSITIONAL:
             words = tl.load(ptrs, mask=(qi < q_len) & (kj < k_len), other=0)
         else:
             words = tl.load(ptrs)
@@ -362,7 +366,7 @@ def _fwd_scores(
     HAS_ALIBI: tl.constexpr, POSITIONAL: tl.constexpr, PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_IN_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None, PARTIAL=None,
 ):  # fmt: skip
     """log2-domain scores of the key tile at start_n. USE_TMA: K_head is the (B, Hkv, Tk, D)
     tensor descriptor, whose copies zero-fill past Tk and D (no bounds masks); 2: this
@@ -393,7 +397,7 @@ def _fwd_scores(
     m = 0.0
     if HAS_MASK:  # rows past the end read the last row's mask
         m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :], q_len,
-                       k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL, MASK_IS_BOOL)  # fmt: skip
+                       k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL, MASK_IS_BOOL, PARTIAL)  # fmt: skip
     if MASK_IN_DOT:
         inv_scale = 1.0 / scale  # a scalar: one division per tile, a multiply per element
         if MASK_IS_BOOL:
@@ -471,7 +475,7 @@ def _fwd_tiles(
     USE_TMA: tl.constexpr, PIPELINE: tl.constexpr, MASK_IN_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     FP8: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None,
+    SCORE_MOD: tl.constexpr = None, MOD_ARGS=None, PARTIAL=None,
 ):  # fmt: skip
     """The online-softmax update of key tiles [lo, hi) (FP8: see attention_fwd; WARP_SPEC:
     the loop warp-specialized, see Tiles).
@@ -494,7 +498,7 @@ def _fwd_tiles(
                 D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
                 POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N,
                 BLOCK_D,
-                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, PARTIAL=PARTIAL,
             )  # fmt: skip
             for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
                 start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -504,7 +508,7 @@ def _fwd_tiles(
                     sm_q, sm_k, skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT,
                     HAS_RIGHT, SOFTCAP, HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32,
                     INTERPRETED, USE_TMA, MASK_IN_DOT, BLOCK_N, BLOCK_D,
-                    SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
+                    SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, PARTIAL=PARTIAL,
                 )  # fmt: skip
                 p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
                 acc = _fwd_pv(
@@ -529,7 +533,7 @@ def _fwd_tiles(
                 skp_b, D, HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_ALIBI, POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED, USE_TMA,
                 MASK_IN_DOT, BLOCK_N, BLOCK_D,
-                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS,
+                SCORE_MOD=SCORE_MOD, MOD_ARGS=MOD_ARGS, PARTIAL=PARTIAL,
             )  # fmt: skip
             p, acc, l_i, m_i = _fwd_softmax(s, acc, l_i, m_i, 8.0 if FP8 else 0.0)
             acc = _fwd_pv(
@@ -591,6 +595,7 @@ def _dkdv_update(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, POSITIONAL: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
+    PARTIAL=None,
 ):  # fmt: skip
     """One query tile's dk, dv contributions from its products (_dkdv_products): Pᵀ
     recomputed from the scores and the row lse, dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (dPᵀ - delta),
@@ -598,7 +603,7 @@ def _dkdv_update(
     m = 0.0
     if HAS_MASK:  # (interior query tiles are whole, and so is an interior key block)
         m = _mask_tile(MASK, b, h, rows[None, :], cols[:, None], q_len, k_len, sm_b, sm_h,
-                       sm_q, sm_k, POSITIONAL, MASK_IS_BOOL)  # fmt: skip
+                       sm_q, sm_k, POSITIONAL, MASK_IS_BOOL, PARTIAL)  # fmt: skip
     st, t = _tile_scores(
         qkt, rows[None, :], cols[:, None], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, lse2[None, :], HAS_MASK and not MASK_IS_BOOL,
@@ -635,6 +640,7 @@ def _dkdv_tiles(
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, TWO_RANGES: tl.constexpr, PIPELINE: tl.constexpr = False,
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
+    PARTIAL=None,
 ):  # fmt: skip
     """dk, dv contributions of query tiles [lo, hi), then with TWO_RANGES [lo2, hi2) in the
     same loop (Tiles.merge), computed transposed (Sᵀ = K·Qᵀ, keys along rows) so that Pᵀ and
@@ -670,6 +676,7 @@ def _dkdv_tiles(
                     MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                     POSITIONAL, PRECISION, DOT_IN_FP32, INTERPRETED,
                     SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+                    PARTIAL=PARTIAL,
                 )  # fmt: skip
                 rows, lse2, qkt = rows_n, lse2_n, qkt_n
             last = lo + (hi - lo - 1) // BLOCK_M * BLOCK_M  # the loop's last start_m
@@ -684,6 +691,7 @@ def _dkdv_tiles(
                 HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL,
                 PRECISION, DOT_IN_FP32, INTERPRETED,
                 SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+                PARTIAL=PARTIAL,
             )  # fmt: skip
         return dk, dv_acc
     if TWO_RANGES:
@@ -707,6 +715,7 @@ def _dkdv_tiles(
             HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL, PRECISION,
             DOT_IN_FP32, INTERPRETED,
             SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+            PARTIAL=PARTIAL,
         )  # fmt: skip
     return dk, dv_acc
 
@@ -740,12 +749,14 @@ def _dq_update(
     DELTA_PASS: tl.constexpr, MASK_GRAD: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
+    PARTIAL=None,
 ):  # fmt: skip
     """One key tile's dq contribution from its scores qk = q·kᵀ (_dq_tiles)."""
     m = 0.0
     if HAS_MASK:  # rows past the end read the last row's mask (their dq is not stored)
         m = _mask_tile(MASK, b, h, tl.minimum(rows, q_len - 1)[:, None], cols[None, :],
-                       q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL, MASK_IS_BOOL)  # fmt: skip
+                       q_len, k_len, sm_b, sm_h, sm_q, sm_k, POSITIONAL, MASK_IS_BOOL,
+                       PARTIAL)  # fmt: skip
     s, t = _tile_scores(
         qk, rows[:, None], cols[None, :], b, q_len, k_len, offset, slope2, scale, softcap,
         window_left, window_right, m, KPM, skp_b, lse2[:, None], HAS_MASK and not MASK_IS_BOOL,
@@ -791,6 +802,7 @@ def _dq_tiles(
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_GRAD: tl.constexpr = None, MOD_ARGS=None,
+    PARTIAL=None,
 ):  # fmt: skip
     """dq contributions of key tiles [lo, hi); with DELTA_PASS only the row sums of P ∘ dP
     and of P (delta_sum, p_sum: the exact delta is their quotient, see attention_bwd_dq).
@@ -828,6 +840,7 @@ def _dq_tiles(
                     HAS_MASK, MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
                     DROPOUT, POSITIONAL, DELTA_PASS, MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
                     SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+                    PARTIAL=PARTIAL,
                 )  # fmt: skip
                 cols, qk = cols_n, qk_n
             last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N  # the loop's last start_n
@@ -842,6 +855,7 @@ def _dq_tiles(
                 MASK_IS_BOOL, HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL,
                 DELTA_PASS, MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
                 SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+                PARTIAL=PARTIAL,
             )  # fmt: skip
         return dq, delta_sum, p_sum
     for start_n in range(lo, hi, BLOCK_N):
@@ -857,5 +871,6 @@ def _dq_tiles(
             HAS_KPM, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, POSITIONAL, DELTA_PASS,
             MASK_GRAD, PRECISION, DOT_IN_FP32, INTERPRETED,
             SCORE_MOD=SCORE_MOD, SCORE_MOD_GRAD=SCORE_MOD_GRAD, MOD_ARGS=MOD_ARGS,
+            PARTIAL=PARTIAL,
         )  # fmt: skip
     return dq, delta_sum, p_sum

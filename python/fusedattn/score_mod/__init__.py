@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import codegen, ir
+from . import bounds, codegen, ir
 from .captures import Walk
 from .tracer import SUBSET_DOC, ScoreModError, describe_mod, trace
 
@@ -44,13 +44,27 @@ class _Compiled:
     names: list[str]
     modules: dict = field(default_factory=dict)
 
-    def module(self, interpreted: bool, grads: tuple[bool, ...]):
-        key = (interpreted, grads)
+    proofs: dict = field(default_factory=dict)
+
+    def module(self, interpreted: bool, grads: tuple[bool, ...], proven: tuple[bool, ...] = (),
+               fast: bool = False):  # fmt: skip
+        key = (interpreted, grads, proven, fast)
         found = self.modules.get(key)
         if found is None:
-            found = self.modules[key] = codegen.load(
-                codegen.source(self.output, self.graph, grads, interpreted, self.mod, self.names)
-            )
+            found = self.modules[key] = codegen.load(codegen.source(
+                self.output, self.graph, grads, interpreted, self.mod, self.names, proven, fast,
+            ))  # fmt: skip
+        return found
+
+    def proven(self, shapes: tuple, extents: tuple[int, int, int, int]) -> tuple[bool, ...]:
+        """bounds.proven_loads for (B, H, Tq, Tk), kept per (shapes, extents)."""
+        key = (shapes, extents)
+        found = self.proofs.get(key)
+        if found is None:
+            if len(self.proofs) >= 64:
+                self.proofs.clear()
+            named = dict(zip(("b", "h", "q_idx", "kv_idx"), extents, strict=True))
+            found = self.proofs[key] = bounds.proven_loads(self.output, shapes, named)
         return found
 
 
@@ -91,9 +105,16 @@ class ScoreMod:
         """`qualified name (file:line)` of the mod."""
         return self.compiled.mod
 
-    def functions(self, interpreted: bool, grads: tuple[bool, ...]):
-        """The generated module: score_mod, score_mod_dscore and (any grads) score_mod_grad."""
-        return self.compiled.module(interpreted, grads)
+    def functions(self, interpreted: bool, grads: tuple[bool, ...], extents=None,
+                  fast: bool = False):  # fmt: skip
+        """The generated module: score_mod, score_mod_dscore and (any grads) score_mod_grad;
+        extents (B, H, Tq, Tk): the call's, for loads proven in range (bounds.py); fast: the
+        kernel's dots run at reduced precision (tanh's fast form, as the built-in softcap)."""
+        proven = ()
+        if extents is not None and self.tensors:
+            shapes = tuple(tuple(t.shape) for t in self.tensors)
+            proven = self.compiled.proven(shapes, tuple(int(e) for e in extents))
+        return self.compiled.module(interpreted, grads, proven, fast and not interpreted)
 
     def arguments(self, grad_buffers=None) -> tuple:
         return codegen.arguments(self.tensors, grad_buffers or [None] * len(self.tensors))

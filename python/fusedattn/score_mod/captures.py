@@ -6,7 +6,7 @@ and public attributes, lists, tuples and dicts, nested functions (the helpers a 
 The walk gives
 
 - the structure key: code objects, Python scalars by value, tensors by (dtype, rank,
-  requires_grad) only, so the cache never holds a tensor value and a new value in a captured
+  requires_grad, whether an offset passes 2^31) only, so the cache never holds a tensor value and a new value in a captured
   tensor is the same key (read by pointer: no new trace, no recompile), while a new scalar
   value (a constant of the generated code) is a new key;
 - the tensors it reached, in a fixed order, and a name for each (`bias`, `self.table`) for the
@@ -32,6 +32,15 @@ MAX_SEQUENCE = 256  # longer lists, tuples and dicts enter the key as their leng
 
 
 _NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+
+
+def wide_offsets(t: torch.Tensor) -> bool:
+    """Whether an element offset of t (or of its float32 gradient buffer, t's shape
+    contiguous) can pass 2^31 - 1: the generated loads then index in int64, else in int32
+    (int64 index math doubled the integer instructions of a gathered bias: sm_90 screen)."""
+    if t.numel() >= 2**31:
+        return True
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) >= 2**31
 
 
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
@@ -83,7 +92,7 @@ class Walk:
                 key.append(("ref", self._seen[id(v)]))
                 return
             self._seen[id(v)] = len(self.tensors)
-            key.append(("T", v.dtype, v.dim(), v.requires_grad))
+            key.append(("T", v.dtype, v.dim(), v.requires_grad, wide_offsets(v)))
             self.tensors.append(v)
             self.names.append(name)
             return

@@ -69,7 +69,7 @@ class Graph:
     def __init__(self):
         self._nodes: dict[tuple, Node] = {}
         # per capture: (dtype, ndim) of the tensor, the structure its loads assume
-        self.captures: list[tuple[torch.dtype, int]] = []
+        self.captures: list[tuple[torch.dtype, int, bool]] = []  # dtype, rank, wide offsets
         self.inputs = {name: self.node(name, (), FLOAT if name == "score" else INT32)
                        for name in INPUTS}  # fmt: skip
 
@@ -174,8 +174,8 @@ def describe(output: Node, captures) -> str:
     tensor values: captures by dtype and rank only)."""
     order = topological(output)
     number = {id(n): i for i, n in enumerate(order)}
-    lines = [f"capture {i}: {str(d).removeprefix('torch.')}[{r}d]"
-             for i, (d, r) in enumerate(captures)]  # fmt: skip
+    lines = [f"capture {i}: {str(d).removeprefix('torch.')}[{r}d{', int64 offsets' if w else ''}]"
+             for i, (d, r, w) in enumerate(captures)]  # fmt: skip
     for n in order:
         args = ", ".join(f"%{number[id(a)]}" for a in n.args)
         attrs = "" if not n.attrs else " " + repr(n.attrs)

@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import ir
+from .captures import wide_offsets
 from .ir import BOOL, FLOAT, INT32, INT64, Node
 
 SUBSET_DOC = "docs/block_masks.md#the-accepted-subset"
@@ -98,7 +99,7 @@ class _Trace:
             raise self.fail(f"captured tensor `{self.name(tensor)}` is not strided")
         self._index[id(tensor)] = len(self.tensors)
         self.tensors.append(tensor)
-        self.graph.captures.append((tensor.dtype, tensor.dim()))
+        self.graph.captures.append((tensor.dtype, tensor.dim(), wide_offsets(tensor)))
         return self._index[id(tensor)]
 
 

@@ -120,6 +120,44 @@ def block_sparse_config(cfg, block_q: int, block_k: int):
     return dataclasses.replace(cfg, fwd=fit(cfg.fwd), dkdv=fit(cfg.dkdv), dq=fit(cfg.dq))
 
 
+def flex_config(cfg, block_size, with_mod: bool):
+    """A GPU call's tiles beside a block mask (block_size: its (BS_Q, BS_K)) or a score_mod:
+    every kernel at 0 spills in the sm_90 screen at D = 128 (bf16; scripts/static_attention.py
+    variants blocks*, *_bias, *softcap_mod; benchmarks/results/sm90-static/flex.csv), where
+    the dense tiles spilled 8-260 B:
+
+    - dK/dV: 32 query rows a tile, 2 stages, boundary loops apart (block-sparse 64x128w8s3:
+      220 B of spills, 32x128w8s2: none, 0.94 instead of 1.02 instructions per score); with
+      a mod on 128-key tiles 16 rows (32x128w8s2 spilled 8-20 B, 16x128w8s2 none);
+    - dQ: a mod's 32 keys a tile (64x64w4s2: 48-284 B, 64x32w4s2: none); tiles of at most
+      32 x 32 one stage (32x32w4s2 spilled 12 B, s1 none), 8 warps beside a mod (a learnable
+      table's atomics: w4s1 8 B, w8s1 none);
+    - forward: a block mask with a mod at 2 stages on 128-row tiles (128x64w8s3: 60-112 B,
+      s2: none; the dense forward with a mod spills nothing at 3); tiles of at most 32 x 32
+      on 4 warps (32x32w8s3 with a softcap mod: 28 B at ptxas' 128 registers; w4: none, and
+      1.6 instead of 2.6 instructions per score without a mod; 16x16 stays at 8: w4 spilled
+      8-24 B).
+
+    The interpreter's tiles (on_gpu False in attention_config) are left as they are."""
+    fwd, dkdv, dq = cfg.fwd, cfg.dkdv, cfg.dq
+    sparse = block_size is not None
+    if sparse or with_mod:
+        rows = 16 if with_mod and dkdv.block_n >= 128 else 32
+        if sparse:
+            rows = min(rows, block_size[0])
+        dkdv = dataclasses.replace(dkdv, block_m=min(dkdv.block_m, rows), num_stages=2,
+                                   merge=False, pipeline=False)  # fmt: skip
+    if with_mod:
+        dq = dataclasses.replace(dq, block_n=min(dq.block_n, 32))
+        if sparse and fwd.block_m >= 128:
+            fwd = dataclasses.replace(fwd, num_stages=min(fwd.num_stages, 2))
+    if fwd.block_m == 32 and fwd.block_n <= 32:
+        fwd = dataclasses.replace(fwd, num_warps=4)
+    if dq.block_m * dq.block_n <= 32 * 32:
+        dq = dataclasses.replace(dq, num_stages=1, num_warps=8 if with_mod else dq.num_warps)
+    return dataclasses.replace(cfg, fwd=fwd, dkdv=dkdv, dq=dq)
+
+
 class TritonAttentionLaunch:
     """What every kernel of one attention call shares."""
 
@@ -194,6 +232,9 @@ class TritonAttentionLaunch:
             self.cfg = dataclasses.replace(
                 self.cfg, fwd=dataclasses.replace(self.cfg.fwd, warp_spec=False)
             )
+        if (block is not None or mod is not None) and config is None and not interpreted:
+            self.cfg = flex_config(self.cfg, None if block is None else block.block_size,
+                                   mod is not None)  # fmt: skip
 
     def mod_args(self, kernel: str) -> dict:
         """The score_mod's kernel keywords ({} without one): its value function everywhere,
@@ -203,7 +244,9 @@ class TritonAttentionLaunch:
         if mod is None:
             return {}
         interpreted = self.flags["INTERPRETED"]
-        plain = mod.functions(interpreted, (False,) * len(mod.tensors))
+        extents = (self.B, self.H, self.Tq, self.Tk)  # loads proven inside their tensor
+        fast = self.flags["PRECISION"] != "ieee"  # tanh as the built-in softcap's
+        plain = mod.functions(interpreted, (False,) * len(mod.tensors), extents, fast)
         args = dict(SCORE_MOD=plain.score_mod, MOD_ARGS=mod.arguments())
         if kernel == "dkdv":
             args["SCORE_MOD_GRAD"] = plain.score_mod_dscore
@@ -211,7 +254,9 @@ class TritonAttentionLaunch:
             grads = self.mod_grads or [None] * len(mod.tensors)
             wanted = tuple(g is not None for g in grads)
             if any(wanted):
-                args["SCORE_MOD_GRAD"] = mod.functions(interpreted, wanted).score_mod_grad
+                args["SCORE_MOD_GRAD"] = mod.functions(
+                    interpreted, wanted, extents, fast
+                ).score_mod_grad
                 args["MOD_ARGS"] = mod.arguments(grads)
             else:
                 args["SCORE_MOD_GRAD"] = plain.score_mod_dscore
