@@ -118,6 +118,8 @@ def _same_launch_arg(a, b) -> bool:
         return False
     if type(a).__name__ == "LazyDict":  # triton's launch metadata: a new one per launch
         return a.data == b.data and len(a.extras) == len(b.extras)
+    if type(a) is tuple:  # a score_mod's captures: tensors, sizes, strides
+        return len(a) == len(b) and all(map(_same_launch_arg, a, b))
     return a is b or a == b
 
 
@@ -142,7 +144,27 @@ def _launch_cases(fusedattn, dtype) -> dict:
         fusedattn.attention_with_kvcache, q1, k_pages, v_pages, k1, v1, is_causal=True,
         cache_seqlens=lengths, block_table=table, cache_leftpad=leftpad, backend="triton",
     )  # fmt: skip
+    flex = {}
+    if hasattr(fusedattn, "score_mod"):  # a block mask and a learnable score_mod (issue #84)
+        from fusedattn.masks import create_block_mask
+
+        doc = torch.arange(T) // 30
+        blocks = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None,
+                                   T, T, device="cpu", BLOCK_SIZE=16)  # fmt: skip
+        rel = torch.randn(3, 2 * T - 1, requires_grad=True)
+
+        def relative(s, b, h, i, j):
+            return s + rel[h, i - j + T - 1]
+
+        flex = {
+            "attention block_mask": lambda: fusedattn.attention(q, k, v, block_mask=blocks,
+                                                                backend="triton"),
+            "attention score_mod": lambda: fusedattn.attention(
+                q, k, v, block_mask=blocks, score_mod=relative, backend="triton"
+            ),
+        }  # fmt: skip
     return {
+        **flex,
         "attention": lambda: fusedattn.attention(q, k, v, backend="triton"),
         "attention causal+kpm": lambda: fusedattn.attention(
             q, k, v, is_causal=True, key_padding_mask=kpm, backend="triton"
@@ -278,6 +300,8 @@ def run(args) -> list[dict]:
             print(f"  host {op:<10} {impl:<17} {mode:<8} {fields} {us:8.1f} µs/call  "
                   f"({row['note']})")  # fmt: skip
             rows.append(row)
+    if getattr(args, "impl", None) is None or "fusedattn-triton" in args.impl:
+        rows += first_call_rows(fusedattn, env, device, dtype, note)
     return rows
 
 
@@ -293,6 +317,7 @@ def cases(fusedattn, device, dtype, every_op: bool):
             (q, k, v),
             dict(B=B, H=H, Tq=T, Tk=T, D=D, causal=causal),
         )
+    yield from flex_cases(fusedattn, q, k, v)
     yield from torch_key_padding_cases(fusedattn, device, dtype)
     if not every_op:
         return
@@ -350,6 +375,67 @@ def cases(fusedattn, device, dtype, every_op: bool):
             (),
             dict(B=Bd, H=Hq, Tq=1, Tk=L, D=Dd, mask=layout),
         )
+
+
+def flex_cases(fusedattn, q, k, v):
+    """FlexAttention's halves on the Triton path (issue #84): a score_mod whose structure is
+    cached (a relative bias over a captured table: each call walks the closure, finds the
+    trace and passes the table by pointer), and a block mask (causal, 16 x 16 blocks)."""
+    if not hasattr(fusedattn, "score_mod"):  # checkouts older than score_mod
+        return
+    B, H, T, D = q.shape
+    fields = dict(B=B, H=H, Tq=T, Tk=T, D=D, causal=False)
+    table = torch.randn(H, 2 * T - 1, device=q.device)
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + T - 1]
+
+    yield (
+        "attention",
+        lambda: fusedattn.attention(q, k, v, score_mod=relative_bias, backend="triton"),
+        (q, k, v),
+        dict(fields, mask="score_mod:relative_bias"),
+    )
+    from fusedattn.masks import create_block_mask
+
+    causal = create_block_mask(lambda b, h, i, j: i >= j, None, None, T, T, device=q.device,
+                               BLOCK_SIZE=16)  # fmt: skip
+    yield (
+        "attention",
+        lambda: fusedattn.attention(q, k, v, block_mask=causal, backend="triton"),
+        (q, k, v),
+        dict(fields, mask="block_mask:causal16"),
+    )
+
+
+def first_call_rows(fusedattn, env, device, dtype, note) -> list[dict]:
+    """Seconds of a new score_mod's first forward+backward: its trace, its generated module,
+    and the three kernels compiled for it (the sm_90 stub or a GPU: Triton's compile; the
+    interpreter: no compile), once each (a new scalar makes the structure new)."""
+    if not hasattr(fusedattn, "score_mod"):
+        return []
+    rows = []
+    q, k, v = (torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    table = torch.randn(SHAPE[1], 2 * SHAPE[2] - 1, device=device, requires_grad=True)
+    for name, scale in (("first call, new mod", 1.0 + time.time() % 1.0),):
+
+        def mod(score, b, h, q_idx, kv_idx, scale=scale):
+            return score * scale + table[h, q_idx - kv_idx + SHAPE[2] - 1]
+
+        start = time.perf_counter()
+        out = fusedattn.attention(q, k, v, score_mod=mod, backend="triton")
+        torch.autograd.grad(out, (q, k, v, table), torch.randn_like(out))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        B, H, T, D = SHAPE
+        rows.append(harness.make_row(
+            env, op="attention", mode="fwd+bwd", impl="fusedattn-triton", dtype=str(dtype)[6:],
+            host_us=seconds * 1e6, B=B, H=H, Tq=T, Tk=T, D=D, causal=False,
+            mask="score_mod:learnable_bias", note=f"{note}; {name}: one call, not a median",
+        ))  # fmt: skip
+        print(f"  host attention {name}: {seconds:.2f} s")
+    return rows
 
 
 def torch_key_padding_cases(fusedattn, device, dtype):

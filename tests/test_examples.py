@@ -20,6 +20,7 @@ SCRIPTS = {
     "context_parallel.py": "losses equal to the single-process run",
     "fp8_cache.py": "greedy picks equal to the bf16 cache's",
     "document_mask.py": "step ",
+    "learnable_relative_bias.py": "step ",
     "batch_invariant.py": "log-probabilities equal bit for bit in all 3 batches",
 }
 

@@ -34,12 +34,17 @@ class FakeCompiled:
 
 
 class FakeJIT:
-    """Stands for a JITFunction of `def kernel(x, y, n, scale, BLOCK, FLAG=True)`."""
+    """Stands for a JITFunction of `def kernel(x, y, n, scale, BLOCK, FLAG=True)` (with
+    keywords: `def kernel(x, n, BLOCK, LISTS=None, MOD_ARGS=None)`)."""
 
-    def __init__(self):
+    def __init__(self, keywords=False):
         def kernel(x, y, n, scale, BLOCK, FLAG=True):
             pass
 
+        def keyword_kernel(x, n, BLOCK, LISTS=None, MOD_ARGS=None):
+            pass
+
+        kernel = keyword_kernel if keywords else kernel
         self.params = [FakeParam(p) for p in inspect.signature(kernel).parameters.values()]
         self.pre_run_hooks, self.used_global_vals, self.log = [], {}, []
         self.compiles = 0
@@ -247,3 +252,38 @@ def test_a_kernel_reading_only_constexpr_globals_is_cached(fake_triton):
     for _ in range(3):
         triton_launch.launch(fake_triton, (1,), (_aligned(), None, 8, 1.0), dict(BLOCK=16))
     assert _paths(fake_triton) == ["triton", "fast", "fast"]
+
+
+def test_keyed_keywords_hit_with_this_calls_tensors_and_miss_on_what_specialises(fake_triton):
+    """A block mask's lists and a score_mod's capture tuple ride in keywords (per_call): they
+    are keyed by dtype, alignment and scalar values, and a hit hands the compiled kernel the
+    call's own tensors, never an earlier call's."""
+    kernel = FakeJIT(keywords=True)
+
+    def call(lists, table, size=64, x=None):
+        x = _aligned() if x is None else x
+        triton_launch.launch(kernel, (2,), (x, 64), dict(BLOCK=32),
+                             dict(LISTS=lists, MOD_ARGS=(table, size, 1)))  # fmt: skip
+
+    call(_aligned(dtype=torch.int32), _aligned(dtype=torch.float32))
+    lists, table = _aligned(dtype=torch.int32), _aligned(dtype=torch.float32)
+    call(lists, table)
+    assert _paths(kernel) == ["triton", "fast"]
+    args = kernel.log[-1][3]
+    assert args[3] is lists and args[4][0] is table  # this call's, not the first call's
+    call(_aligned(dtype=torch.int32), _aligned(dtype=torch.bfloat16))  # a capture's dtype
+    call(_aligned(dtype=torch.int32), _aligned(dtype=torch.float32), size=65)  # its size
+    call(_aligned(dtype=torch.int32, offset=1), _aligned(dtype=torch.float32))  # alignment
+    assert _paths(kernel)[2:] == ["triton"] * 3
+    call(_aligned(dtype=torch.int32), _aligned(dtype=torch.float32), size=65)
+    assert _paths(kernel)[-1] == "fast"
+
+
+def test_tensors_in_keywords_not_keyed_are_keyed_by_identity(fake_triton):
+    """Outside per_call a keyword tensor keys by identity: a new tensor takes Triton's path
+    (what a caller that does not declare them gets: correct, never stale)."""
+    kernel = FakeJIT(keywords=True)
+    for _ in range(2):
+        triton_launch.launch(kernel, (1,), (_aligned(), 64),
+                             dict(BLOCK=32, LISTS=_aligned(dtype=torch.int32)))  # fmt: skip
+    assert _paths(kernel) == ["triton", "triton"]

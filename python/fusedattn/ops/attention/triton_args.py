@@ -120,6 +120,10 @@ def block_sparse_config(cfg, block_q: int, block_k: int):
     return dataclasses.replace(cfg, fwd=fit(cfg.fwd), dkdv=fit(cfg.dkdv), dq=fit(cfg.dq))
 
 
+# the keyword arguments of a block-sparse or score_mod launch that hold this call's tensors
+FLEX_KEYWORDS = ("LISTS", "KINDS", "BITS", "MOD_ARGS")
+
+
 def flex_config(cfg, block_size, with_mod: bool):
     """A GPU call's tiles beside a block mask (block_size: its (BS_Q, BS_K)) or a score_mod:
     every kernel at 0 spills in the sm_90 screen at D = 128 (bf16; scripts/static_attention.py
@@ -339,9 +343,11 @@ class TritonAttentionLaunch:
         grid, args, constexprs = make(*operands)
         if not grid[0]:
             return
-        if self.block is not None or self.mod is not None:  # tensors among the keywords:
-            # Triton's own launch path
-            kernel[grid](*args, **constexprs)
+        if self.block is not None or self.mod is not None:  # tensors among the keywords
+            # (no plan: a block mask's lists and a mod's captures are each call's); the
+            # launch cache keys them by dtype and alignment (fwd 80 -> see bench_host)
+            per_call = {k: constexprs.pop(k) for k in FLEX_KEYWORDS if k in constexprs}
+            triton_launch.launch(kernel, grid, args, constexprs, per_call)
         elif self.prepared is None:
             triton_launch.launch(kernel, grid, args, constexprs)
         else:

@@ -40,7 +40,7 @@ class _KernelLaunches:
     a later launch laid out otherwise is never cached), its parameters in signature order, and
     the compiled kernel with the values of the parameters after the positional ones, per key."""
 
-    __slots__ = ("compiled", "kernel", "params", "tensors")
+    __slots__ = ("compiled", "kernel", "params", "slots", "tensors")
 
     def __init__(self, kernel, args, cacheable: bool):
         self.kernel = kernel  # held: the id keying _launches stays this kernel's
@@ -49,6 +49,7 @@ class _KernelLaunches:
             [(p.name, p.default, p.has_default) for p in kernel.params] if cacheable else []
         )
         self.compiled: dict = {}
+        self.slots: dict = {}  # per-call keywords' places in the tail (_slots)
 
 
 # id(kernel) -> _KernelLaunches (an id: a JITFunction hashes its source's sha256 string through
@@ -104,13 +105,33 @@ def _descriptor_key(a):
     )  # fmt: skip
 
 
-def launch_key(entry, args, constexprs, device, knobs):
-    """The cache key of one launch: equal keys, equal Triton specialisation."""
+def _keyword_key(value):
+    """What Triton specialises a keyword argument given per call on: a tensor by dtype and
+    16-byte alignment, a tuple item by item (a score_mod's captures: tensors, sizes and
+    strides), a scalar by type and value; anything else never matches."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if type(value) in _SCALAR_TYPES:
+        return type(value), value
+    if type(value) is tuple:
+        return tuple(map(_keyword_key, value))
+    return _NEVER
+
+
+def launch_key(entry, args, constexprs, device, knobs, per_call=None):
+    """The cache key of one launch: equal keys, equal Triton specialisation. per_call: the
+    keyword arguments whose values are this call's (tensors, tuples of them), keyed as
+    Triton specialises them rather than by identity."""
     n = entry.tensors
     scalars = args[n:]
+    items = tuple(constexprs.items())
+    if per_call:
+        items += tuple((k, _keyword_key(v)) for k, v in per_call.items())
     return (
         device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-        tuple(constexprs.items()), tuple(map(type, scalars)), scalars,
+        items, tuple(map(type, scalars)), scalars,
         tuple([
             None if a is None
             else (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
@@ -120,9 +141,14 @@ def launch_key(entry, args, constexprs, device, knobs):
     )  # fmt: skip
 
 
-def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
-    """kernel[grid](*args, **constexprs), through the compiled kernel when an earlier launch
-    with the same key found it."""
+def launch(kernel, grid, args: tuple, constexprs: dict, per_call: dict | None = None) -> None:
+    """kernel[grid](*args, **constexprs, **per_call), through the compiled kernel when an
+    earlier launch with the same key found it. per_call: keyword arguments that carry this
+    call's tensors (a block mask's lists, a score_mod's captures): keyed by what Triton
+    specialises on, and put in their places of the compiled kernel's parameters on a hit."""
+    static = constexprs  # the key's; the kernel gets both
+    if per_call:
+        constexprs = {**constexprs, **per_call}
     entry = _launches.get(id(kernel))
     if entry is None or entry.kernel is not kernel:
         entry = _launches[id(kernel)] = _new_entry(kernel, args)
@@ -136,13 +162,18 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
         or (kernel.used_global_vals and _reads_mutable_globals(kernel))
         or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
     ):
-        key = launch_key(entry, args, constexprs, driver.active.get_current_device(), knobs)
+        key = launch_key(entry, args, static, driver.active.get_current_device(), knobs,
+                         per_call)  # fmt: skip
         try:
             hit = entry.compiled.get(key)
         except TypeError:  # an unhashable constexpr (a list, say): Triton's path, uncached
             key = hit = None
         if hit is not None:
             compiled, tail = hit
+            if per_call:  # this call's tensors in their places
+                tail = list(tail)
+                for i, name in _slots(entry, len(args), per_call):
+                    tail[i] = per_call[name]
             size = len(grid)
             full_grid = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
             compiled[full_grid](*args, *tail)
@@ -151,6 +182,11 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
     if key is None or type(compiled) is not CompiledKernel:  # e.g. a future when compiling async
         return
     tail = _tail(entry, len(args), constexprs)
+    if tail is not None and per_call:  # not kept: a hit puts its own call's there
+        tail = list(tail)
+        for i, _name in _slots(entry, len(args), per_call):
+            tail[i] = None
+        tail = tuple(tail)
     if tail is not None and tensor_prefix(args) == entry.tensors:
         if len(entry.compiled) >= MAX_KEYS_PER_KERNEL:
             entry.compiled.clear()
@@ -167,6 +203,17 @@ def _reads_mutable_globals(kernel) -> bool:
     from triton.language import constexpr
 
     return any(not isinstance(value, constexpr) for value, _ in kernel.used_global_vals.values())
+
+
+def _slots(entry, positional: int, per_call: dict) -> list[tuple[int, str]]:
+    """(index in the tail, name) of each per-call keyword: the tail is the parameters after
+    the positional ones (kept per kernel and argument count)."""
+    key = (positional, tuple(per_call))
+    found = entry.slots.get(key)
+    if found is None:
+        names = [name for name, _, _ in entry.params[positional:]]
+        found = entry.slots[key] = [(names.index(n), n) for n in per_call]
+    return found
 
 
 def _tail(entry, positional: int, constexprs: dict):
