@@ -5,5 +5,5 @@ and `flash_attn_with_kvcache`, so a codebase switches by changing its import.
 `fusedattn.compat.flash_mla`: FlashMLA's `get_mla_metadata` and `flash_mla_with_kvcache` (the
 dense MLA decode) on fusedattn's Triton MLA kernel, any GPU Triton runs on.
 `fusedattn.compat.flex_attention`: FlexAttention's `flex_attention` and `create_block_mask`,
-eager (no compile), block masks on the Triton kernels; score_mod as fusedattn's built-in terms.
+eager (no compile), block masks and score_mods on the Triton kernels (docs/block_masks.md).
 """
