@@ -41,6 +41,14 @@
 #           D=128, bf16, forward and fwd+bwd against Flex compiled, varlen over the same
 #           documents and is_causal (targets: >= 1.2x Flex, within 10 % of varlen, 5 % of
 #           is_causal)
+#   flex-mods build flex-mod-tests bench-flex-mods (issue #84, one call of at most 8 minutes
+#           with GPU_CHECK_DEADLINE=470): test_score_mod.py, test_flex_api.py and the launch
+#           cache's tests on the compiled kernels, then benchmarks/bench_flex.py --part mods:
+#           softcap, ALiBi and a relative bias as score_mods and the table learnable, causal,
+#           B=2, T = 4k and 16k, D=128, bf16, fwd and fwd+bwd, against Flex compiled (same mod,
+#           causal block mask) and the built-in softcap= / alibi_slopes=, and a new mod's
+#           first call (targets: pointwise mods >= Flex, learnable within 1.1x of it, a mod
+#           equal to a built-in within 5 %, first call <= 10 s)
 #   invariant build invariant-tests bench-invariant (issue #73, one call of at most 8 minutes):
 #           the batch-invariance bit-equality tests on the compiled kernels (split size 64
 #           keys so the tests' caches cross splits), then decode with fusedattn.batch_invariant
@@ -92,6 +100,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   hopper) steps=" build tune-hopper tiles bench-attention " ;;
   models) steps=" build info bench-models profile-bert512 " ;;
   flex) steps=" build flex-tests bench-flex " ;;
+  flex-mods) steps=" build flex-mod-tests bench-flex-mods " ;;
   invariant) steps=" build invariant-tests bench-invariant " ;;
   mla) steps=" build mla-tests bench-mla " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
@@ -257,7 +266,13 @@ step bench-cp 240 $PYTHON benchmarks/bench_context_parallel.py --out "$out_dir"
 # issue #71: block masks on the compiled kernels, then against Flex (compiled) and varlen
 step flex-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
   tests/test_block_mask.py
-step bench-flex 300 $PYTHON benchmarks/bench_flex.py --out "$out_dir"
+step bench-flex 300 $PYTHON benchmarks/bench_flex.py --part masks --out "$out_dir"
+# issue #84: score_mods and torch's BlockMask API on the compiled kernels (every op of the
+# subset, learnable tables, the launch cache's per-call keywords), then the mods against Flex
+# compiled and the built-ins, and a new mod's first call
+step flex-mod-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
+  tests/test_score_mod.py tests/test_flex_api.py tests/test_triton_launch.py
+step bench-flex-mods 300 $PYTHON benchmarks/bench_flex.py --part mods --out "$out_dir"
 # issue #73: batch invariance on the compiled kernels, then its price for decoding
 step invariant-tests 150 env FUSEDATTN_SPLIT_KEYS=64 $PYTHON -m pytest \
   -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short tests/test_batch_invariance.py tests/test_linear.py
