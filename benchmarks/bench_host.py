@@ -300,8 +300,9 @@ def run(args) -> list[dict]:
             print(f"  host {op:<10} {impl:<17} {mode:<8} {fields} {us:8.1f} µs/call  "
                   f"({row['note']})")  # fmt: skip
             rows.append(row)
-    if getattr(args, "impl", None) is None or "fusedattn-triton" in args.impl:
-        rows += first_call_rows(fusedattn, env, device, dtype, note)
+    wanted = getattr(args, "impl", None) is None or "fusedattn-triton" in args.impl
+    if wanted and getattr(args, "first_call", True):
+        rows += first_call_rows(fusedattn, env, device, dtype, note, args.label)
     return rows
 
 
@@ -408,7 +409,7 @@ def flex_cases(fusedattn, q, k, v):
     )
 
 
-def first_call_rows(fusedattn, env, device, dtype, note) -> list[dict]:
+def first_call_rows(fusedattn, env, device, dtype, note, label="") -> list[dict]:
     """Seconds of a new score_mod's first forward+backward: its trace, its generated module,
     and the three kernels compiled for it (the sm_90 stub or a GPU: Triton's compile; the
     interpreter: no compile), once each (a new scalar makes the structure new)."""
@@ -430,7 +431,8 @@ def first_call_rows(fusedattn, env, device, dtype, note) -> list[dict]:
         seconds = time.perf_counter() - start
         B, H, T, D = SHAPE
         rows.append(harness.make_row(
-            env, op="attention", mode="fwd+bwd", impl="fusedattn-triton", dtype=str(dtype)[6:],
+            env, op="attention", mode="fwd+bwd", impl="fusedattn-triton" + label,
+            dtype=str(dtype)[6:],
             host_us=seconds * 1e6, B=B, H=H, Tq=T, Tk=T, D=D, causal=False,
             mask="score_mod:learnable_bias", note=f"{note}; {name}: one call, not a median",
         ))  # fmt: skip
