@@ -11,7 +11,8 @@ scripts/static_attention.py), fusedattn importable there (PYTHONPATH=python):
 
 Cases are DeepSeek's latent (512 + 64), bf16 queries, a 32k cache: Hq 16 (memory-bound) and
 128 (compute-bound) rows, pages 64 and 16, bf16 and fp8 (e4m3) caches, one split or several,
-Tq 2 causal (MTP), batch invariance. --tiles BMxBNwWsS replaces the shipped tiles
+Tq 2 causal (MTP), batch invariance, and the sparse form (2048 gathered slots a query).
+--tiles BMxBNwWsS replaces the shipped tiles
 (mla_config's) for every case; each case compiles in its own process.
 """
 
@@ -33,6 +34,11 @@ CASES = {
     "hq128_paged64_fp8": dict(Hq=128, page=64, fp8=True),
     "hq16_paged64_tq2_causal": dict(Hq=16, page=64, Tq=2, causal=True),
     "hq16_paged64_invariant": dict(Hq=16, page=64, invariant=32),
+    # DeepSeek sparse attention (issue #85): each query's 2048 listed slots gathered
+    "sparse_hq16_paged64": dict(Hq=16, page=64, sparse=2048),
+    "sparse_hq128_paged64": dict(Hq=128, page=64, sparse=2048),
+    "sparse_hq128_paged64_tq2": dict(Hq=128, page=64, sparse=2048, Tq=2),
+    "sparse_hq128_paged64_fp8": dict(Hq=128, page=64, sparse=2048, fp8=True),
 }
 
 
@@ -53,7 +59,8 @@ def launch_args(name: str, tiles=None):
 
     c = CASES[name]
     Hq, page, Tq = c["Hq"], c["page"], c.get("Tq", 1)
-    cfg = K.mla_config(Hq * Tq, DL, DR, True, bool(c.get("fp8")))
+    sparse = c.get("sparse", 0)
+    cfg = K.mla_config(Hq if sparse else Hq * Tq, DL, DR, True, bool(c.get("fp8")))
     bm, bn, warps, stages = tiles or (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
     B = 1
     cache_dtype = torch.float8_e4m3fn if c.get("fp8") else torch.bfloat16
@@ -69,12 +76,13 @@ def launch_args(name: str, tiles=None):
     part_lse = torch.empty(B * splits * Hq * Tq) if split else None
     seqlens = torch.empty(B, dtype=torch.int32)
     descale = torch.empty(1) if c.get("fp8") else None
-    m_blocks = -(-Hq * Tq // bm)
+    m_blocks = -(-(Hq if sparse else Hq * Tq) // bm)
+    indices = torch.empty(B, Tq, sparse, dtype=torch.int32) if sparse else None
     args = (
-        q_v, q_r, kv, out, lse, part_o, part_lse, seqlens, table, None, descale,
+        q_v, q_r, kv, out, lse, part_o, part_lse, seqlens, table, None, descale, indices,
         *q_v.stride()[:3], *q_r.stride()[:3], kv.stride(0), kv.stride(1), *out.stride()[:3],
         *lse.stride()[:2], table.stride(0), Tq, Hq, DL, DR, m_blocks, splits, (DL + DR) ** -0.5,
-        S, kv.shape[0],
+        S, kv.shape[0], *(indices.stride()[:2] if sparse else (0, 0)), sparse,
     )  # fmt: skip
     constexprs = dict(
         PAGED=True, PAGE_SIZE=page, IS_CAUSAL=bool(c.get("causal")), HAS_SINKS=False,
@@ -82,6 +90,7 @@ def launch_args(name: str, tiles=None):
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_V=cfg.block_v,
         BLOCK_R=cfg.block_r, num_warps=warps, num_stages=stages,
         CACHE_FP8=1 if c.get("fp8") else 0, INVARIANT_SPLIT=c.get("invariant", 0),
+        SPARSE=bool(sparse),
     )  # fmt: skip
     return args, constexprs, f"{bm}x{bn}w{warps}s{stages}"
 

@@ -20,6 +20,13 @@ decode kernels' `decode_combine` (decode.py, Hkv = 1, group = Hq) merges in a fi
 CACHE_FP8 (1 e4m3, 2 e5m2; the cache passed as its bytes): one per-tensor descale folded into
 the scale and the output, as vLLM's fp8 MLA cache. INVARIANT_SPLIT (fusedattn.batch_invariant):
 tiles and splits at fixed key positions from key 0, as attention_decode's.
+
+SPARSE (DeepSeek sparse attention): query i of sequence b attends to the keys INDICES[b, i]
+lists (topk entries, -1 and anything outside the cache skipped; duplicates already removed by
+the caller): a program per (sequence, query, head block, split) walks tiles of those entries,
+each key row gathered once for K and V. An entry is a paged cache's slot (page x PAGE_SIZE +
+offset, the page as the cache numbers it: no block table) or a contiguous cache's position in
+row b (also what is_causal compares with the query's position).
 """
 
 from __future__ import annotations
@@ -67,14 +74,14 @@ def mla_config(rows: int, Dv: int, Dr: int, on_gpu: bool, fp8: bool = False) -> 
 
 @triton.jit
 def mla_decode(
-    Q, Q_PE, KV, OUT, LSE, PART_O, PART_LSE, SEQLENS, BLOCK_TABLE, SINKS, KV_DESCALE,
+    Q, Q_PE, KV, OUT, LSE, PART_O, PART_LSE, SEQLENS, BLOCK_TABLE, SINKS, KV_DESCALE, INDICES,
     sq_b, sq_t, sq_h, sqp_b, sqp_t, sqp_h, skv_b, skv_t, so_b, so_t, so_h, sl_b, sl_h, sbt_b,
-    Tq, Hq, Dv, Dr, num_m_blocks, num_splits, scale, capacity, num_rows,
+    Tq, Hq, Dv, Dr, num_m_blocks, num_splits, scale, capacity, num_rows, si_b, si_t, topk,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ROPE: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    CACHE_FP8: tl.constexpr = 0, INVARIANT_SPLIT: tl.constexpr = 0,
+    CACHE_FP8: tl.constexpr = 0, INVARIANT_SPLIT: tl.constexpr = 0, SPARSE: tl.constexpr = False,
 ):  # fmt: skip
     """One (sequence b, query block, key split) program. Q (B, Tq, Hq, Dv) and Q_PE (B, Tq, Hq,
     Dr) by their strides (the two parts of one q tensor, or q_nope and q_pe); KV (sequence or
@@ -87,12 +94,21 @@ def mla_decode(
     split = pid % num_splits
     rest = pid // num_splits
     m_blk = rest % num_m_blocks
-    b = (rest // num_m_blocks).to(tl.int64)
-    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     n_rows = Hq * Tq
-    row_ok = rows < n_rows
-    qi = rows // Hq
-    h = rows % Hq
+    if SPARSE:  # one query's heads: each query has keys of its own (INDICES[b, query])
+        bq = rest // num_m_blocks
+        b = (bq // Tq).to(tl.int64)
+        query = bq % Tq
+        h = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = h < Hq
+        qi = query + 0 * h
+        rows = qi * Hq + h  # the packed row numbering of the partials
+    else:
+        b = (rest // num_m_blocks).to(tl.int64)
+        rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        qi = rows // Hq
+        h = rows % Hq
     v = tl.arange(0, BLOCK_V)
     r = tl.arange(0, BLOCK_R)
     q_row = qi.to(tl.int64)
@@ -109,6 +125,8 @@ def mla_decode(
     seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
     pos = seq_end - Tq + qi  # each row's key position (bottom-right)
     hi = seq_end
+    if SPARSE:  # tiles over the query's index entries
+        hi = topk
     if INVARIANT_SPLIT:  # tiles from key 0, splits at fixed tiles
         n_all = tl.cdiv(hi, BLOCK_N)
         tile_lo = split * INVARIANT_SPLIT
@@ -128,12 +146,27 @@ def mla_decode(
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_end
-        if PAGED:
+        if SPARSE:  # the listed keys: a paged cache's slot, a contiguous one's position
+            key = tl.load(INDICES + b * si_b + query * si_t + cols, mask=cols < topk, other=-1)
+            if PAGED:
+                col_ok = (key >= 0) & (key < num_rows * PAGE_SIZE)
+            else:
+                col_ok = (key >= 0) & (key < seq_end)
+            key = tl.where(col_ok, key, 0)
+            if PAGED:
+                row = (key // PAGE_SIZE).to(tl.int64) * skv_b
+                row += (key % PAGE_SIZE).to(tl.int64) * skv_t
+            else:
+                row = b * skv_b + key.to(tl.int64) * skv_t
+        elif PAGED:
+            key = cols
+            col_ok = cols < seq_end
             page = tl.load(BLOCK_TABLE + b * sbt_b + cols // PAGE_SIZE, mask=col_ok, other=0)
             page = tl.minimum(tl.maximum(page, 0), num_rows - 1).to(tl.int64)
             row = page * skv_b + (cols % PAGE_SIZE).to(tl.int64) * skv_t
         else:
+            key = cols
+            col_ok = cols < seq_end
             row = b * skv_b + cols.to(tl.int64) * skv_t
         # the latent tile: K's first part and all of V, loaded once
         c = tl.load(KV + row[:, None] + v[None, :], mask=col_ok[:, None] & (v < Dv)[None, :],
@@ -150,7 +183,7 @@ def mla_decode(
         s = qk * (scale * 1.4426950408889634)
         keep = col_ok[None, :] & row_ok[:, None]
         if IS_CAUSAL:
-            keep = keep & (cols[None, :] <= pos[:, None])
+            keep = keep & (key[None, :] <= pos[:, None])
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet

@@ -185,3 +185,76 @@ def _seqlens(cache_seqlens, B: int, device) -> torch.Tensor:
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens must be on {device}, got {cache_seqlens.device}")
     return cache_seqlens
+
+
+def check_sparse_indices(indices, topk_length, call: MLACall, paged: bool, is_causal: bool):
+    """DeepSeek sparse attention's arguments (metadata only): indices (B, Tq, topk) int32 on
+    q's device, topk_length (B,) int32 or None; causal masking on a paged cache refused (a
+    slot's position in its sequence is not known without the block table's inverse)."""
+    if indices is None:
+        if topk_length is not None:
+            raise ValueError("topk_length is given without indices: it is the valid prefix of "
+                             "each row of indices")  # fmt: skip
+        return
+    B, Tq = call.q.shape[:2]
+    check_tensor("indices", indices, dims=3, layout=f"(B, Tq, topk) = ({B}, {Tq}, topk) int32")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices must be int32, got {indices.dtype}")
+    if tuple(indices.shape[:2]) != (B, Tq) or indices.shape[2] < 1:
+        raise ValueError(f"indices must be (B, Tq, topk) = ({B}, {Tq}, topk >= 1), got "
+                         f"{shape_str(indices.shape)}")  # fmt: skip
+    if indices.device != call.q.device:
+        raise ValueError(f"indices must be on {call.q.device}, got {indices.device}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dims=1, layout=f"(B,) = ({B},) int32")
+        if topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length must be int32, got {topk_length.dtype}")
+        if topk_length.shape[0] != B:
+            raise ValueError(f"topk_length must have shape (B,) = ({B},), got "
+                             f"{shape_str(topk_length.shape)}")  # fmt: skip
+        if topk_length.device != call.q.device:
+            raise ValueError(f"topk_length must be on {call.q.device}, got {topk_length.device}")
+    if is_causal and paged:
+        raise ValueError(
+            "is_causal with indices over a paged cache: an index is a cache slot (page x "
+            "page_size + offset), whose position in its sequence the kernel does not know; "
+            "select only visible keys in indices, or use a contiguous cache (indices are "
+            "positions there)"
+        )
+
+
+def check_index_values(indices, topk_length) -> None:
+    """The entries as given (a sync: where values are checked): each listed one a key index or
+    -1, topk_length in [0, topk]."""
+    topk = indices.shape[2]
+    if topk_length is not None:
+        bad = (topk_length < 0) | (topk_length > topk)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"topk_length[{b}] = {int(topk_length[b])} is outside [0, topk = "
+                             f"{topk}]")  # fmt: skip
+    listed = indices < -1
+    if topk_length is not None:
+        listed &= torch.arange(topk, device=indices.device) < topk_length.view(-1, 1, 1)
+    if bool(listed.any()):
+        where = tuple(int(i) for i in listed.nonzero()[0])
+        raise ValueError(f"indices{list(where)} = {int(indices[where])}: an entry is a key "
+                         "index or -1 (unused)")  # fmt: skip
+
+
+def check_slot_values(slots, seqlens_k, block_table, kv_cache) -> None:
+    """The keys the call reads (reference.mla.sparse_slots's, -1 unused) inside the cache: a
+    paged cache's slot below num_pages x page_size, a contiguous cache's position below its
+    sequence's length (cache_seqlens + the appended keys)."""
+    if block_table is not None:
+        slots_held = kv_cache.shape[0] * kv_cache.shape[1]
+        limit = torch.full_like(slots[:, :1, :1], slots_held)
+        what = f"the cache's {slots_held} slots (num_pages x page_size)"
+    else:
+        limit = seqlens_k.to(slots.dtype).view(-1, 1, 1)
+        what = "its sequence's length (cache_seqlens + the appended keys)"
+    past = slots >= limit
+    if bool(past.any()):
+        where = tuple(int(i) for i in past.nonzero()[0])
+        raise ValueError(f"indices of sequence {where[0]}, query {where[1]}: key "
+                         f"{int(slots[where])} is past {what}")  # fmt: skip

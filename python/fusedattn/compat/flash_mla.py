@@ -12,8 +12,9 @@ fusedattn's: the lse of a row that sees no key is +inf (fusedattn's: -inf); the 
 defaults to 1/sqrt(head_dim); a scheduling object is reused only for calls of the same shapes
 and options (asserted, as FlashMLA asserts). Where FlashMLA takes page size 64 only, Hopper or
 Blackwell only and 64 or 128 heads only, this takes any page size, any GPU Triton runs on and
-any head count. Not yet here: the sparse (`indices`) and fp8 (`is_fp8_kvcache`) modes and
-`flash_mla_sparse_fwd` (refused by name).
+any head count. Sparse decode (`indices`, `topk_length`, `attn_sink`: DeepSeek-V3.2) runs
+over a bf16/fp16 cache. Not yet here: FlashMLA's 656-byte fp8 layout (`is_fp8_kvcache`), the
+extra cache and `flash_mla_sparse_fwd` (refused by name).
 """
 
 from __future__ import annotations
@@ -68,13 +69,18 @@ def flash_mla_with_kvcache(
     seq_len_q, num_heads_q, head_dim_v) and softmax_lse (batch_size, num_heads_q, seq_len_q)
     float32. num_splits: None, or the tensor older callers got from get_mla_metadata (unused:
     the split is picked per call)."""
-    sparse = {"indices": indices, "extra_k_cache": extra_k_cache,
-              "extra_indices_in_kvcache": extra_indices_in_kvcache, "topk_length": topk_length,
-              "extra_topk_length": extra_topk_length}  # fmt: skip
-    given = [name for name, value in sparse.items() if value is not None]
+    extra = {"extra_k_cache": extra_k_cache, "extra_indices_in_kvcache": extra_indices_in_kvcache,
+             "extra_topk_length": extra_topk_length}  # fmt: skip
+    given = [name for name, value in extra.items() if value is not None]
     if given:
-        raise ValueError(f"fusedattn.compat.flash_mla: sparse attention ({', '.join(given)}) "
-                         "is not implemented yet; the dense decode is")  # fmt: skip
+        raise ValueError(f"fusedattn.compat.flash_mla: a second (extra) cache ({', '.join(given)}) "
+                         "is not implemented yet; one cache with indices is")  # fmt: skip
+    if indices is not None:
+        return _sparse_decode(q, k_cache, head_dim_v, tile_scheduler_metadata, softmax_scale,
+                              causal, is_fp8_kvcache, indices, attn_sink, topk_length)  # fmt: skip
+    if topk_length is not None:
+        raise ValueError("flash_mla_with_kvcache: topk_length belongs to sparse attention "
+                         "(with indices)")  # fmt: skip
     if attn_sink is not None:  # FlashMLA's dense decode asserts it None as well
         raise ValueError("flash_mla_with_kvcache: attn_sink must be None when dense attention "
                          "is used (as in FlashMLA)")  # fmt: skip
@@ -106,5 +112,50 @@ def flash_mla_with_kvcache(
     out, lse = mla_attention_with_kvcache(
         q, k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
         head_dim_v=head_dim_v, scale=softmax_scale, is_causal=causal, return_lse=True,
+    )  # fmt: skip
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _check_meta(meta, config) -> None:
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise AssertionError("tile_scheduler_metadata must be of type FlashMLASchedMeta")
+    if not meta.have_initialized:
+        meta.have_initialized, meta.config = True, config
+    elif meta.config != config:
+        raise AssertionError(
+            f"sched_meta was made for {meta.config}, this call is {config}: your input "
+            "arguments are inconsistent with sched_meta (reuse it only across calls of the "
+            "same shapes)"
+        )
+
+
+def _sparse_decode(q, k_cache, head_dim_v, meta, softmax_scale, causal, is_fp8_kvcache, indices,
+                   attn_sink, topk_length):  # fmt: skip
+    """FlashMLA's sparse decode: indices (batch_size, seq_len_q, topk) int32, each a slot of
+    k_cache viewed as (num_blocks x page_block_size) rows (block x page_block_size + offset),
+    -1 unused; no block table or lengths (FlashMLA passes None for both); attn_sink (num_heads_q,)
+    float32 and topk_length (batch_size,) int32 as FlashMLA's. FlashMLA runs it over its
+    656-byte fp8 layout only; here over a bf16/fp16 cache (that layout: refused by name)."""
+    if is_fp8_kvcache:
+        raise ValueError("fusedattn.compat.flash_mla: is_fp8_kvcache (FlashMLA's 656-byte fp8 "
+                         "layout) is not implemented yet; sparse decode over a bf16 or fp16 "
+                         "cache is")  # fmt: skip
+    if causal:
+        raise ValueError("flash_mla_with_kvcache: causal must be False with indices (the "
+                         "indices are the keys a query sees, as in FlashMLA)")  # fmt: skip
+    if k_cache.dim() != 4 or k_cache.shape[2] != 1:
+        raise ValueError(f"k_cache must be (num_blocks, page_block_size, 1, head_dim), got "
+                         f"{tuple(k_cache.shape)}")  # fmt: skip
+    B = q.shape[0]
+    _check_meta(meta, (B, q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], False,
+                       False, "sparse", indices.shape[-1]))  # fmt: skip
+    # the cache's slots, as fusedattn addresses a paged cache's (its own page numbers): a
+    # block table is needed to say "paged", and is not read for the keys
+    table = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
+    lengths = torch.zeros(B, dtype=torch.int32, device=q.device)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse = mla_attention_with_kvcache(
+        q, k_cache, cache_seqlens=lengths, block_table=table, head_dim_v=head_dim_v,
+        scale=scale, sinks=attn_sink, indices=indices, topk_length=topk_length, return_lse=True,
     )  # fmt: skip
     return out, lse.masked_fill(lse == float("-inf"), float("inf"))

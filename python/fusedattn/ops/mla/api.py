@@ -15,7 +15,13 @@ import torch
 
 from ... import invariance
 from ...checks import check_kvcache_values
-from ...mla_checks import check_mla_args
+from ...mla_checks import (
+    check_index_values,
+    check_mla_args,
+    check_slot_values,
+    check_sparse_indices,
+)
+from ...reference.mla import sparse_slots
 from ..core import backends
 from ..core.plans import tracing
 from ..shared.decode_launch import values_checked
@@ -42,6 +48,8 @@ def mla_attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     kv_descale: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Multi-head latent attention over a latent KV cache: exactly `attention_with_kvcache`
@@ -65,6 +73,18 @@ def mla_attention_with_kvcache(
     partials combined in a fixed order. Under fusedattn.batch_invariant the keys are split at
     fixed positions (num_splits other than 0 refused).
 
+    indices (B, Tq, topk) int32 (DeepSeek sparse attention, DeepSeek-V3.2's top-k keys a
+    query): query i of sequence b attends to exactly the keys indices[b, i] lists, no other.
+    An entry is a key's row in the cache as the cache numbers it: for a paged cache the slot
+    page x page_size + offset (page the cache's own page number, as FlashMLA's sparse API:
+    the block table is not read for it), for a contiguous cache the key's position in row b.
+    -1 marks an unused entry; topk_length (B,) int32 is each row's valid prefix (entries past
+    it unused); a duplicate counts once. No causal mask on top unless is_causal (contiguous
+    caches only: there an entry is a position). A query with no valid entry gives 0 and lse
+    -inf (the sink with sinks). Sinks, return_lse, num_splits (over the entries) and batch
+    invariance as in the dense call; an entry past the cache (paged) or past its sequence's
+    length (contiguous) raises where the values are checked (below).
+
     Returns out (B, Tq, Hq, head_dim_v) in q's dtype [, lse (B, Hq, Tq) fp32]. Inference only
     (refused where autograd would record). Bad input raises before anything is written: the
     metadata and every refusal of the backend, then the values (cache_seqlens in [0, capacity
@@ -80,6 +100,7 @@ def mla_attention_with_kvcache(
         )
     call = check_mla_args(q, kv_cache, kv_c, k_pe, cache_seqlens, block_table, head_dim_v,
                           scale, is_causal, sinks, num_splits, return_lse, kv_descale)  # fmt: skip
+    check_sparse_indices(indices, topk_length, call, block_table is not None, is_causal)
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (call.q, call.q_pe, kv_cache, kv_c, k_pe, sinks)
     )
@@ -94,8 +115,14 @@ def mla_attention_with_kvcache(
         block_table=block_table, Dv=call.Dv, Dr=call.Dr, scale=scale, is_causal=is_causal,
         sinks=sinks, num_splits=int(num_splits), return_lse=return_lse, kv_descale=kv_descale,
     )  # fmt: skip
+    if indices is not None:
+        inputs["indices"] = indices
     impl = backends.select(OP, backend, call.q.device, inputs)
     check = values_checked(call.q.is_cuda, impl.backend)
+    if indices is not None:
+        if check and not tracing():  # the entries as given (the keys they name: below)
+            check_index_values(indices, topk_length)
+        inputs["indices"] = sparse_slots(indices, topk_length)
     if tracing():  # torch.compile / jit.trace: the custom ops
         if call.Tnew:
             torch.ops.fusedattn.mla_append(call.kv_cache, kv_c, k_pe, call.seqlens, block_table,
@@ -103,13 +130,15 @@ def mla_attention_with_kvcache(
             check = False
         out, lse = torch.ops.fusedattn.mla_attention(
             call.q, call.q_pe, call.kv_cache, seqlens_k, block_table, sinks, kv_descale,
-            call.Dv, call.Dr, scale, is_causal, int(num_splits), return_lse, check,
-            impl.backend,
+            inputs.get("indices"), call.Dv, call.Dr, scale, is_causal, int(num_splits),
+            return_lse, check, impl.backend,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     if check:  # the values, before anything is written
         check_kvcache_values(call.seqlens, None, block_table, call.kv_cache, call.Tnew,
                              descales=dict(kv_descale=kv_descale))  # fmt: skip
+        if indices is not None:
+            check_slot_values(inputs["indices"], seqlens_k, block_table, call.kv_cache)
     if call.Tnew:
         custom_ops.append_impl(call.kv_cache, kv_c, k_pe, call.seqlens, block_table,
                                kv_descale, False)  # fmt: skip

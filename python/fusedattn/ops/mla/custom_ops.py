@@ -9,6 +9,7 @@ reads the cache. The value checks (a host read) run inside their real implementa
 import torch
 
 from ...checks import check_kvcache_values
+from ...mla_checks import check_slot_values
 from ...reference.mla import append_latent
 from ..core import backends
 from ..shared.decode_launch import append
@@ -48,17 +49,20 @@ def _(kv_cache, kv_c, k_pe, seqlens, block_table, kv_descale, check_values):
     return None
 
 
-def attention_impl(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, Dv, Dr, scale,
-                   is_causal, num_splits, return_lse, check_values, backend):  # fmt: skip
+def attention_impl(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, indices, Dv,
+                   Dr, scale, is_causal, num_splits, return_lse, check_values, backend):  # fmt: skip
     """(out (B, Tq, Hq, Dv) contiguous, lse (B, Hq, Tq), or an empty one without return_lse) of
-    the named backend."""
+    the named backend; indices: a sparse call's slots (reference.mla.sparse_slots's)."""
     if check_values:
         check_kvcache_values(seqlens_k, None, block_table, kv_cache, 0,
                              descales=dict(kv_descale=kv_descale))  # fmt: skip
+        if indices is not None:
+            check_slot_values(indices, seqlens_k, block_table, kv_cache)
+    sparse = {} if indices is None else dict(indices=indices)
     result = backends._REGISTRY["mla_attention_with_kvcache"][backend].run(
         q=q, q_pe=q_pe, kv_cache=kv_cache, seqlens_k=seqlens_k, block_table=block_table,
         Dv=Dv, Dr=Dr, scale=scale, is_causal=is_causal, sinks=sinks, num_splits=num_splits,
-        return_lse=return_lse, kv_descale=kv_descale,
+        return_lse=return_lse, kv_descale=kv_descale, **sparse,
     )  # fmt: skip
     out, lse = result if return_lse else (result, None)
     if lse is None:
@@ -75,6 +79,7 @@ def mla_attention(
     block_table: torch.Tensor | None,
     sinks: torch.Tensor | None,
     kv_descale: torch.Tensor | None,
+    indices: torch.Tensor | None,
     Dv: int,
     Dr: int,
     scale: float | None,
@@ -84,13 +89,13 @@ def mla_attention(
     check_values: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_impl(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, Dv, Dr,
-                          scale, is_causal, num_splits, return_lse, check_values, backend)  # fmt: skip
+    return attention_impl(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, indices,
+                          Dv, Dr, scale, is_causal, num_splits, return_lse, check_values, backend)  # fmt: skip
 
 
 @mla_attention.register_fake
-def _(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, Dv, Dr, scale, is_causal,
-      num_splits, return_lse, check_values, backend):  # fmt: skip
+def _(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, indices, Dv, Dr, scale,
+      is_causal, num_splits, return_lse, check_values, backend):  # fmt: skip
     B, Tq, Hq = q.shape[:3]
     out = q.new_empty(B, Tq, Hq, Dv)
     lse = q.new_empty((B, Hq, Tq) if return_lse else (0,), dtype=torch.float32)

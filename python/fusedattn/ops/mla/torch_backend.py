@@ -12,11 +12,16 @@ from ..shared.cache_sdpa import cache_attention
 from .backend_args import full_q, window_of
 
 
-def refusals(*, q, kv_cache, sinks, return_lse, **_inputs) -> list[str]:
-    """SDPA's: no lse, sinks only in q's dtype (an fp8 cache runs in float32)."""
+def refusals(*, q, kv_cache, sinks, return_lse, indices=None, **_inputs) -> list[str]:
+    """SDPA's: no lse, sinks only in q's dtype (an fp8 cache runs in float32); no sparse path
+    (indices: the Triton kernel on a GPU, the reference elsewhere)."""
     probe = q.new_empty((0,), dtype=torch.float32) if is_fp8(kv_cache) else q
-    return sdpa.refusals(q=probe, return_lse=return_lse, softcap=0.0, alibi_slopes=None,
-                         sinks=sinks)  # fmt: skip
+    reasons = sdpa.refusals(q=probe, return_lse=return_lse, softcap=0.0, alibi_slopes=None,
+                            sinks=sinks)  # fmt: skip
+    if indices is not None:
+        reasons.append("indices (sparse attention): the torch backend has no sparse path; "
+                       "backend='triton' runs it on a GPU, 'reference' anywhere")  # fmt: skip
+    return reasons
 
 
 def attention(*, q, q_pe, kv_cache, seqlens_k, block_table, Dv, Dr, scale, is_causal, sinks,

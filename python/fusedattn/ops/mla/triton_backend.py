@@ -43,22 +43,26 @@ class TritonMLA:
     splits) for that call's tensors."""
 
     def __init__(self, q, q_pe, kv_cache, block_table, Dv, Dr, scale, is_causal, sinks,
-                 num_splits):  # fmt: skip
+                 num_splits, indices=None):  # fmt: skip
         K = kernels("mla")
         B, Tq, Hq = q.shape[:3]
+        sparse = indices is not None  # a program per query: its heads are the rows
         rows = Hq * Tq
-        cfg = K.mla_config(rows, Dv, Dr, q.is_cuda, is_fp8(kv_cache))
+        per_program = Hq if sparse else rows
+        cfg = K.mla_config(per_program, Dv, Dr, q.is_cuda, is_fp8(kv_cache))
         capacity = kvcache_capacity(kv_cache, block_table)
+        keys = indices.shape[2] if sparse else capacity  # what the splits cut
         invariant_split = 0
         if invariance.enabled():  # splits at fixed key positions, the ordered combine, one
             # query-block height for every call (a row's products never follow Hq x Tq)
             cfg = dataclasses.replace(cfg, block_m=16 if not q.is_cuda else 32)
             invariant_split = max(1, invariance.split_keys(q.is_cuda) // cfg.block_n)
-            num_splits = max(1, -(-capacity // (invariant_split * cfg.block_n)))
-        m_blocks = -(-rows // cfg.block_m)
+            num_splits = max(1, -(-keys // (invariant_split * cfg.block_n)))
+        m_blocks = -(-per_program // cfg.block_m)
+        programs = B * Tq * m_blocks if sparse else B * m_blocks
         if num_splits == 0:
             sms = sm_count(q.device.index or 0) if q.is_cuda else INTERPRETER_SMS
-            num_splits = kernels("decode").choose_splits(B * m_blocks, capacity, sms, cfg.block_n)
+            num_splits = kernels("decode").choose_splits(programs, keys, sms, cfg.block_n)
         self.split = num_splits > 1 or invariant_split > 0
         self.device = q.device
         self.part_o_numel = B * num_splits * rows * Dv
@@ -76,6 +80,7 @@ class TritonMLA:
             *q.stride()[:3], *q_pe_strides, kv_cache.stride(0), kv_cache.stride(1), *out_strides,
             *lse_strides, block_table.stride(0) if paged else 0, Tq, Hq, Dv, Dr, m_blocks,
             num_splits, scale, capacity, kv_cache.shape[0],
+            *(indices.stride()[:2] if sparse else (0, 0)), keys if sparse else 0,
         )  # fmt: skip
         self.constexprs = dict(
             PAGED=paged, PAGE_SIZE=kv_cache.shape[1] if paged else 1, IS_CAUSAL=bool(is_causal),
@@ -88,7 +93,9 @@ class TritonMLA:
             self.constexprs["CACHE_FP8"] = FP8_CODES[kv_cache.dtype]
         if invariant_split:
             self.constexprs["INVARIANT_SPLIT"] = invariant_split
-        self.grid = (B * m_blocks * num_splits,)
+        if sparse:
+            self.constexprs["SPARSE"] = True
+        self.grid = (programs * num_splits,)
         # decode_combine with Hkv = 1 and group = Hq: the partials' layout is mla_decode's
         self.combine_scalars = (*out_strides, *lse_strides, Tq, Hq, 1, Dv, Hq, num_splits)
         self.combine_constexprs = dict(
@@ -103,7 +110,8 @@ class TritonMLA:
         out = new_output(self.out_shape, self.out_dtype, self.device)
         return out, new_output(self.lse_shape, torch.float32, self.device)
 
-    def __call__(self, q, q_pe, kv_cache, seqlens, block_table, sinks, kv_descale):
+    def __call__(self, q, q_pe, kv_cache, seqlens, block_table, sinks, kv_descale,
+                 indices=None):  # fmt: skip
         out, lse = self.outputs()
         if out.numel() == 0:
             return out, lse
@@ -112,7 +120,7 @@ class TritonMLA:
             work = torch.empty(self.work_numel, dtype=torch.float32, device=self.device)
             part_o, part_lse = work, work[self.part_o_numel :]
         tensors = (q, q_pe, kv_cache, out, lse, part_o, part_lse, seqlens, block_table, sinks,
-                   kv_descale)  # fmt: skip
+                   kv_descale, indices)  # fmt: skip
         if self._decode is None:
             self._decode = triton_launch.prepare(kernels("mla").mla_decode, self.grid,
                                                  (*tensors, *self.scalars), self.constexprs)  # fmt: skip
@@ -131,9 +139,11 @@ class TritonMLA:
 
 
 def attention(*, q, q_pe, kv_cache, seqlens_k, block_table, Dv, Dr, scale, is_causal, sinks,
-              num_splits, return_lse, kv_descale):  # fmt: skip
-    """One call's launch (the appended keys already in seqlens_k)."""
-    seqlens_k, block_table, sinks = map(dense, (seqlens_k, block_table, sinks))
-    launch = TritonMLA(q, q_pe, kv_cache, block_table, Dv, Dr, scale, is_causal, sinks, num_splits)
-    out, lse = launch(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale)
+              num_splits, return_lse, kv_descale, indices=None):  # fmt: skip
+    """One call's launch (the appended keys already in seqlens_k; indices: the sparse call's
+    slots, reference.mla.sparse_slots's)."""
+    seqlens_k, block_table, sinks, indices = map(dense, (seqlens_k, block_table, sinks, indices))
+    launch = TritonMLA(q, q_pe, kv_cache, block_table, Dv, Dr, scale, is_causal, sinks, num_splits,
+                       indices)  # fmt: skip
+    out, lse = launch(q, q_pe, kv_cache, seqlens_k, block_table, sinks, kv_descale, indices)
     return (out, lse) if return_lse else out

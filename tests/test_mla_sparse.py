@@ -1,0 +1,276 @@
+"""DeepSeek sparse attention over the latent cache (issue #85 item 1):
+mla_attention_with_kvcache(..., indices=, topk_length=) against a float64 brute force that
+attends each query over exactly the keys it lists (no code shared with the backends), under
+the k× rule: topk 1 to 130, pages 1, 16, 64 and a contiguous cache, Tq 1 and 2, Hq 1 and 16,
+unused (-1) entries, rows with none, duplicates, topk_length shorter than topk, NaN in every
+unlisted slot, sinks, fp8 caches, splits, is_causal on a contiguous cache; the refusals, batch
+invariance and torch.compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn import reference
+from fusedattn.testing import assert_close_kx
+
+pytestmark = pytest.mark.usefixtures("kernel_device")
+kernels = pytest.mark.kernels
+Dl, Dr = 32, 16
+D = Dl + Dr
+
+
+def _device():
+    return torch.get_default_device()
+
+
+def make_case(B=2, Tq=1, Hq=4, topk=20, page=16, lengths=(50, 37), seed=0, dtype=torch.float32):
+    """(q, cache, block_table or None, cache_seqlens, indices): a cache whose listed rows are
+    random and every other slot NaN; indices drawn from each sequence's keys (a paged cache:
+    their slots), a few -1 and a duplicate."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = list(lengths)[:B]
+    S = max(lengths) + 3
+    if page:
+        per_seq = -(-S // page)
+        pages = B * per_seq + 2
+        table = torch.randperm(pages, generator=g)[: B * per_seq].view(B, per_seq).int()
+        cache = torch.full((pages, page, 1, D), float("nan"))
+    else:
+        table = None
+        cache = torch.full((B, S, 1, D), float("nan"))
+    positions = [
+        torch.randint(0, n, (Tq, topk), generator=g) if n else torch.full((Tq, topk), -1)
+        for n in lengths
+    ]
+    indices = torch.stack(positions).int()  # positions in the sequence
+    listed = indices >= 0
+    slots = indices.clone()
+    if page:  # the cache slot of each position
+        slots = torch.where(listed, table.long().gather(
+            1, (indices.clamp(min=0) // page).view(B, -1)).view(B, Tq, topk) * page
+            + indices % page, -1).int()  # fmt: skip
+    rows = cache.view(-1, D) if page else None
+    for b in range(B):  # only the listed rows hold numbers
+        for s in slots[b][slots[b] >= 0].unique().tolist():
+            value = torch.randn(D, generator=g)
+            if page:
+                rows[s] = value
+            else:
+                cache[b, s, 0] = value
+    if topk > 3:
+        slots[0, 0, 1] = -1
+        slots[-1, -1, 2] = slots[-1, -1, 3]  # a duplicate: counts once
+    q = torch.randn(B, Tq, Hq, D, generator=g) * 2
+    to = dict(device=_device())
+    table = None if table is None else table.to(**to)
+    return (q.to(dtype).to(**to), cache.to(dtype).to(**to), table,
+            torch.tensor(lengths, dtype=torch.int32, **to), slots.to(**to))  # fmt: skip
+
+
+def brute_force(
+    q,
+    cache,
+    table,
+    seqlens,
+    slots,
+    topk_length=None,
+    sinks=None,
+    scale=None,
+    is_causal=False,
+    descale=None,
+):
+    """float64, each query over the set of keys it lists: (out, lse)."""
+    B, Tq, Hq, _ = q.shape
+    scale = D**-0.5 if scale is None else scale
+    rows = cache.double()
+    if descale is not None:
+        rows = cache.float().double() * float(descale)
+    out = torch.zeros(B, Tq, Hq, Dl, dtype=torch.float64)
+    lse = torch.full((B, Hq, Tq), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for i in range(Tq):
+            entries = slots[b, i].tolist()
+            if topk_length is not None:
+                entries = entries[: int(topk_length[b])]
+            keys = sorted({e for e in entries if e >= 0})
+            if is_causal:
+                keys = [k for k in keys if k <= int(seqlens[b]) - Tq + i]
+            kv = (rows.view(-1, D)[keys] if table is not None else rows[b, keys, 0]).cpu()
+            s = q[b, i].double().cpu() @ kv.T * scale  # (Hq, n)
+            if sinks is not None:
+                s = torch.cat([s, sinks.double().cpu()[:, None]], dim=1)
+                kv = torch.cat([kv, torch.zeros(1, D, dtype=torch.float64)])
+            if s.shape[1] == 0:
+                continue
+            m = s.max(dim=1, keepdim=True).values
+            p = torch.exp(s - m)
+            out[b, i] = (p @ kv[:, :Dl]) / p.sum(1, keepdim=True)
+            lse[b, :, i] = (m + p.sum(1, keepdim=True).log())[:, 0]
+    return out, lse
+
+
+def run(backend, q, cache, table, seqlens, slots, **kw):
+    with torch.no_grad():
+        return fusedattn.mla_attention_with_kvcache(
+            q, cache, cache_seqlens=seqlens, block_table=table, head_dim_v=Dl, indices=slots,
+            return_lse=True, backend=backend, **kw,
+        )  # fmt: skip
+
+
+def check(backend, case, **kw):
+    q, cache, table, seqlens, slots = case
+    out, lse = run(backend, q, cache, table, seqlens, slots, **kw)
+    want, want_lse = brute_force(q, cache, table, seqlens, slots, **kw)
+    base, _ = run("reference", q, cache, table, seqlens, slots, **kw)
+    assert torch.isfinite(out).all(), "a NaN in an unlisted slot reached the output"
+    assert_close_kx(out, want.to(out.device), base, name="out")
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), finite)
+    torch.testing.assert_close(lse.double().cpu()[finite], want_lse[finite], rtol=1e-4, atol=1e-4)
+    return out, lse
+
+
+BACKENDS = ["reference", pytest.param("triton", marks=kernels)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topk,page,Tq,Hq", [(1, 16, 1, 1), (7, 1, 2, 16), (64, 64, 1, 4),
+                                             (130, 16, 2, 4), (20, 0, 2, 16)])  # fmt: skip
+def test_each_query_attends_to_exactly_its_listed_keys(backend, topk, page, Tq, Hq):
+    check(backend, make_case(Tq=Tq, Hq=Hq, topk=topk, page=page, seed=topk))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unused_entries_empty_rows_topk_length_and_sinks(backend):
+    q, cache, table, seqlens, slots = make_case(B=3, Tq=2, topk=24, lengths=(50, 0, 20), seed=3)
+    slots[2, 1] = -1  # a query with no key at all
+    topk_length = torch.tensor([24, 0, 9], dtype=torch.int32, device=slots.device)
+    sinks = torch.randn(4, device=slots.device)
+    out, lse = check(backend, (q, cache, table, seqlens, slots), topk_length=topk_length)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # sequence 1: topk_length 0
+    assert torch.isinf(lse[1]).all() and torch.equal(out[2, 1], torch.zeros_like(out[2, 1]))
+    check(backend, (q, cache, table, seqlens, slots), topk_length=topk_length, sinks=sinks)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_duplicate_counts_once(backend):
+    q, cache, table, seqlens, slots = make_case(Tq=1, topk=8, seed=4)
+    once, _ = run(backend, q, cache, table, seqlens, slots)
+    twice = torch.cat([slots, slots], dim=-1)  # every key listed twice
+    again, _ = run(backend, q, cache, table, seqlens, twice)
+    torch.testing.assert_close(again, once, rtol=1e-6, atol=1e-6)
+
+
+@kernels
+def test_causal_on_a_contiguous_cache_splits_and_half_precision():
+    case = make_case(Tq=2, Hq=16, topk=40, page=0, seed=6)
+    check("triton", case, is_causal=True)
+    one, _ = run("triton", *case, num_splits=1)
+    split, _ = run("triton", *case, num_splits=3)
+    torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5)
+    check("triton", make_case(Tq=2, topk=33, seed=7, dtype=torch.bfloat16))
+
+
+@kernels
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_reads_its_listed_rows_dequantized(fp8):
+    q, cache, table, seqlens, slots = make_case(topk=30, seed=8)
+    descale = torch.tensor([0.05], device=cache.device)
+    stored = (cache / descale).to(fp8)
+    out, _ = run("triton", q.to(torch.bfloat16), stored, table, seqlens, slots, kv_descale=descale)
+    want, _ = brute_force(q, stored, table, seqlens, slots, descale=descale)
+    base, _ = run("reference", q.to(torch.bfloat16), stored, table, seqlens, slots,
+                  kv_descale=descale)  # fmt: skip
+    assert_close_kx(out.float(), want.to(out.device), base.float(), name="out")
+
+
+@kernels
+def test_batch_invariance_a_query_alone_and_in_a_batch():
+    q, cache, table, seqlens, slots = make_case(B=3, topk=50, lengths=(50, 20, 44), seed=9)
+    with fusedattn.batch_invariant():
+        batch, _ = run("triton", q, cache, table, seqlens, slots)
+        alone, _ = run("triton", q[:1], cache, table[:1], seqlens[:1], slots[:1])
+    assert torch.equal(batch[:1], alone)
+
+
+def test_bad_indices_are_refused_by_name_before_any_launch():
+    q, cache, table, seqlens, slots = make_case(topk=6, page=0, seed=10)
+    for bad, pattern in (
+        (slots.long(), "indices must be int32"),
+        (slots[:, :, None], "indices must be 3-D"),
+        (slots[:1], r"indices must be \(B, Tq, topk\)"),
+        (torch.where(slots == slots[1, 0, 0], 37, slots), "key 37 is past its sequence's length"),
+        (torch.where(slots == slots[0, 0, 0], -2, slots), "an entry is a key index or -1"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=pattern):
+            run("reference", q, cache, table, seqlens, bad)
+    with pytest.raises(ValueError, match=r"topk_length\[1\] = 7 is outside \[0, topk = 6\]"):
+        run("reference", q, cache, table, seqlens, slots,
+            topk_length=torch.tensor([6, 7], dtype=torch.int32, device=slots.device))  # fmt: skip
+    with pytest.raises(ValueError, match="topk_length is given without indices"):
+        fusedattn.mla_attention_with_kvcache(q, cache, cache_seqlens=seqlens, head_dim_v=Dl,
+                                             topk_length=seqlens)  # fmt: skip
+    paged = make_case(topk=6, page=16, seed=11)
+    with pytest.raises(ValueError, match="is_causal with indices over a paged cache"):
+        run("reference", *paged, is_causal=True)
+    slots_held = paged[1].shape[0] * paged[1].shape[1]
+    past = paged[4].clone()
+    past[0, 0, 0] = slots_held
+    with pytest.raises(ValueError, match=f"past the cache's {slots_held} slots"):
+        run("reference", *paged[:4], past)
+    with pytest.raises(ValueError, match="the torch backend has no sparse path"):
+        run("torch", q, cache, table, seqlens, slots)
+
+
+@kernels
+def test_a_sparse_decode_step_compiles_whole():
+    q, cache, table, seqlens, slots = make_case(topk=12, seed=12)
+
+    def step(q, slots):
+        return fusedattn.mla_attention_with_kvcache(
+            q, cache, cache_seqlens=seqlens, block_table=table, head_dim_v=Dl, indices=slots,
+            backend="triton",
+        )  # fmt: skip
+
+    with torch.no_grad():
+        eager = step(q, slots)
+        compiled = torch.compile(step, fullgraph=True)(q, slots)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert reference.mla_attention_with_kvcache is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_mlas_sparse_decode_call_runs_unmodified(backend, monkeypatch):
+    """flash_mla_with_kvcache(q, k_cache, None, None, dv, sched, indices=, attn_sink=,
+    topk_length=) as FlashMLA's sparse tests call it: the slots of the blocked cache, no block
+    table, no lengths; an empty row's lse +inf (FlashMLA's)."""
+    from fusedattn.compat import flash_mla
+
+    q, cache, table, seqlens, slots = make_case(topk=16, page=16, seed=13)
+    slots[1, 0] = -1  # a query with no key
+    sinks = torch.randn(4, device=q.device)
+    want, want_lse = run(backend, q, cache, table, seqlens, slots, sinks=sinks)
+    original = flash_mla.mla_attention_with_kvcache
+    monkeypatch.setattr(flash_mla, "mla_attention_with_kvcache",
+                        lambda *a, **kw: original(*a, backend=backend, **kw))  # fmt: skip
+    meta, _ = flash_mla.get_mla_metadata()
+    with torch.no_grad():
+        out, lse = flash_mla.flash_mla_with_kvcache(q, cache, None, None, Dl, meta, None,
+                                                    indices=slots, attn_sink=sinks)  # fmt: skip
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)  # sequence 1 sees its sink alone
+    torch.testing.assert_close(lse[1, :, 0], sinks)
+    meta, _ = flash_mla.get_mla_metadata()
+    with torch.no_grad():
+        _, lse = flash_mla.flash_mla_with_kvcache(q, cache, None, None, Dl, meta, None,
+                                                  indices=slots)  # fmt: skip
+    assert torch.equal(lse[1], torch.full_like(lse[1], float("inf")))  # FlashMLA's empty row
+    for kw, pattern in ((dict(is_fp8_kvcache=True), "656-byte fp8 layout"),
+                        (dict(causal=True), "causal must be False with indices"),
+                        (dict(extra_k_cache=cache), "a second \\(extra\\) cache")):  # fmt: skip
+        with pytest.raises(ValueError, match=pattern):
+            flash_mla.flash_mla_with_kvcache(q, cache, None, None, Dl, meta, None,
+                                             indices=slots, **kw)  # fmt: skip
