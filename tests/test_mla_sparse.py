@@ -274,3 +274,40 @@ def test_flash_mlas_sparse_decode_call_runs_unmodified(backend, monkeypatch):
         with pytest.raises(ValueError, match=pattern):
             flash_mla.flash_mla_with_kvcache(q, cache, None, None, Dl, meta, None,
                                              indices=slots, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_sparse_prefill_is_each_querys_attention_over_its_rows(backend):
+    """mla_sparse_attention (FlashMLA's flash_mla_sparse_fwd contract): Sq queries over one
+    latent buffer, each its own rows, topk_length per query; the compat call's max_logits."""
+    from fusedattn.compat import flash_mla
+
+    g = torch.Generator().manual_seed(14)
+    Sq, Skv, Hq, topk = 9, 40, 4, 12
+    q = torch.randn(Sq, Hq, D, generator=g).to(_device())
+    kv = torch.randn(Skv, 1, D, generator=g).to(_device())
+    indices = torch.randint(0, Skv, (Sq, 1, topk), generator=g).int().to(_device())
+    indices[3, 0, :5] = -1
+    topk_length = torch.tensor([12, 12, 3, 12, 0, 12, 7, 12, 12], dtype=torch.int32,
+                               device=_device())  # fmt: skip
+    with torch.no_grad():
+        out, lse = fusedattn.mla_sparse_attention(q, kv, indices, head_dim_v=Dl,
+                                                  topk_length=topk_length, return_lse=True,
+                                                  backend=backend)  # fmt: skip
+    seqlens = torch.tensor([Skv], dtype=torch.int32)
+    # topk_length per query: the brute force lists only each query's prefix
+    prefix = indices[:, 0].clone()
+    prefix[torch.arange(topk, device=prefix.device) >= topk_length[:, None]] = -1
+    want, want_lse = brute_force(q[None], kv[None], None, seqlens, prefix[None])
+    torch.testing.assert_close(out.double().cpu(), want[0], rtol=1e-4, atol=1e-5)
+    finite = torch.isfinite(want_lse[0].T)
+    assert torch.equal(torch.isfinite(lse).cpu(), finite) and torch.isinf(lse[4]).all()
+    torch.testing.assert_close(lse.double().cpu()[finite], want_lse[0].T[finite])
+    flash_out, max_logits, flash_lse = flash_mla.flash_mla_sparse_fwd(
+        q, kv, indices, D**-0.5, d_v=Dl, topk_length=topk_length)  # fmt: skip
+    torch.testing.assert_close(flash_out, out, rtol=1e-5, atol=1e-5)  # its backend: auto's
+    torch.testing.assert_close(flash_lse, lse, rtol=1e-5, atol=1e-5)
+    logits = torch.einsum("shd,std->sht", q.double(), kv[indices[:, 0].long(), 0].double())
+    logits = logits * D**-0.5
+    logits[(prefix < 0)[:, None, :].expand_as(logits)] = float("-inf")
+    torch.testing.assert_close(max_logits.double(), logits.amax(-1), rtol=1e-5, atol=1e-5)

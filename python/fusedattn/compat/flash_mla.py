@@ -14,7 +14,8 @@ and options (asserted, as FlashMLA asserts). Where FlashMLA takes page size 64 o
 Blackwell only and 64 or 128 heads only, this takes any page size, any GPU Triton runs on and
 any head count. Sparse decode (`indices`, `topk_length`, `attn_sink`: DeepSeek-V3.2) runs
 over a bf16/fp16 cache. Not yet here: FlashMLA's 656-byte fp8 layout (`is_fp8_kvcache`), the
-extra cache and `flash_mla_sparse_fwd` (refused by name).
+extra cache (refused by name). `flash_mla_sparse_fwd` (the sparse prefill) runs
+`fusedattn.mla_sparse_attention`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import dataclasses
 
 import torch
 
-from ..ops import mla_attention_with_kvcache
+from ..ops import mla_attention_with_kvcache, mla_sparse_attention
 
-__all__ = ["FlashMLASchedMeta", "flash_mla_with_kvcache", "get_mla_metadata"]
+__all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache",
+           "get_mla_metadata"]  # fmt: skip
+
+MAX_LOGIT_CHUNK = 1 << 26  # gathered key elements per chunk of max_logits' queries
 
 
 @dataclasses.dataclass
@@ -159,3 +163,32 @@ def _sparse_decode(q, k_cache, head_dim_v, meta, softmax_scale, causal, is_fp8_k
         scale=scale, sinks=attn_sink, indices=indices, topk_length=topk_length, return_lse=True,
     )  # fmt: skip
     return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """FlashMLA's sparse prefill: q (s_q, h_q, d_qk), kv (s_kv, h_kv = 1, d_qk), indices (s_q,
+    h_kv, topk) int32 (rows of kv, -1 unused), attn_sink (h_q,) float32, topk_length (s_q,)
+    int32. Returns (out (s_q, h_q, d_v), max_logits (s_q, h_q) float32, lse (s_q, h_q)
+    float32), the logits scaled by sm_scale, natural log; a query with no key: out 0,
+    max_logits and lse -inf. out and lse are fusedattn.mla_sparse_attention's; max_logits is
+    computed here over the gathered keys (q·k again, in chunks: the kernel keeps no row
+    maxima), which costs another q·kᵀ over the listed keys."""
+    with torch.no_grad():
+        out, lse = mla_sparse_attention(q, kv, indices, scale=sm_scale, head_dim_v=d_v,
+                                        sinks=attn_sink, topk_length=topk_length,
+                                        return_lse=True)  # fmt: skip
+        rows = kv.reshape(kv.shape[0], -1)
+        entries = indices.reshape(q.shape[0], -1)
+        listed = (entries >= 0) & (entries < rows.shape[0])
+        if topk_length is not None:
+            listed &= torch.arange(entries.shape[1], device=entries.device) < topk_length[:, None]
+        chunk = max(1, MAX_LOGIT_CHUNK // max(1, entries.shape[1] * rows.shape[1]))
+        maxes = []
+        for start in range(0, q.shape[0], chunk):
+            part = slice(start, start + chunk)
+            keys = rows[torch.where(listed[part], entries[part], 0).long()]  # (c, topk, d_qk)
+            logits = torch.einsum("chd,ctd->cht", q[part].float(), keys.float()) * sm_scale
+            logits = logits.masked_fill(~listed[part][:, None, :], float("-inf"))
+            maxes.append(logits.amax(dim=-1) if logits.shape[-1] else logits.sum(-1) - float("inf"))
+        max_logits = torch.cat(maxes) if maxes else lse.new_empty(lse.shape)
+    return out, max_logits, lse

@@ -26,6 +26,7 @@ from .core.backends import BackendUnavailableError, available_backends
 from .decode.api import attention_with_kvcache
 from .linear.api import linear
 from .mla.api import mla_attention_with_kvcache
+from .mla.sparse_prefill import mla_sparse_attention
 from .rowwise.api import layer_norm, rms_norm, softmax
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "mla_attention_with_kvcache",
+    "mla_sparse_attention",
     "rms_norm",
     "softmax",
     "varlen_attention",
