@@ -99,6 +99,69 @@ def gpu_rows(env, device, quick: bool) -> list[dict]:
     return rows
 
 
+def _sparse_indices(table, B, Tq, L, page, topk, device):
+    """Each query's topk distinct keys of its sequence's L, as cache slots (block x page +
+    offset): what DeepSeek-V3.2's indexer hands the kernel."""
+    g = torch.Generator(device=device).manual_seed(1)
+    pos = torch.rand(B * Tq, L, device=device, generator=g).argsort(dim=-1)[:, :topk]
+    pos = pos.view(B, Tq, topk)
+    pages = table.long().gather(1, (pos // page).view(B, -1)).view(B, Tq, topk)
+    return (pages * page + pos % page).int()
+
+
+def sparse_rows(env, device, quick: bool) -> list[dict]:
+    """DeepSeek sparse attention (issue #85): decode over each query's 2048 listed keys at
+    B = 1, 32, 128, Hq = 16 and 128, Tq = 1 and 2 (MTP), caches of 8k and 32k, bf16 and fp8
+    (e4m3, per-tensor descale); and the sparse prefill at Sq = Skv = 8k, Hq = 128. GB/s over
+    the rows actually gathered (B x Tq x topk x 576 x bytes) against the copy rate, TFLOP/s at
+    2176 FLOP per listed key x head x query. Targets: fp8 decode at B = 128, Hq = 128, Tq = 2
+    >= 200 TFLOP/s; memory-bound rows >= 70 % of the copy rate over the gathered bytes."""
+    rows = []
+    copy = harness.copy_gbps(device)
+    topk, page = 2048, 64
+    grid = [(Hq, B, Tq, L, fp8) for Hq in (16, 128) for B in (1, 32, 128) for Tq in (1, 2)
+            for L in (8192, 32768) for fp8 in (False, True)]  # fmt: skip
+    if quick:
+        grid = [g for g in grid if g[1] in (1, 128) and g[3] == 8192]
+    for Hq, B, Tq, L, fp8 in grid:
+        q, cache, table, seqlens, descale = _case(B, Hq, L, page, torch.bfloat16, device, fp8)
+        q = torch.randn(B, Tq, Hq, DL + DR, device=device, dtype=torch.bfloat16)
+        indices = _sparse_indices(table, B, Tq, L, page, topk, device)
+
+        def ours(q=q, cache=cache, seqlens=seqlens, table=table, descale=descale, idx=indices):
+            return fusedattn.mla_attention_with_kvcache(
+                q, cache, cache_seqlens=seqlens, block_table=table, head_dim_v=DL,
+                kv_descale=descale, indices=idx, backend="triton",
+            )  # fmt: skip
+
+        ms = harness.time_ms(ours, device=device)
+        nbytes = B * Tq * topk * (DL + DR) * cache.element_size()
+        gbps = harness.gbps(nbytes, ms)
+        share = f"{100 * gbps / copy:.0f} % of copy ({copy:.0f} GB/s)" if copy else ""
+        rows.append(harness.make_row(
+            env, op="mla-sparse-decode", mode="fwd", impl="fusedattn-triton", dtype="bfloat16",
+            B=B, H=Hq, Tq=Tq, Tk=L, D=DL + DR, mask=f"topk{topk} paged{page}"
+            + (" fp8" if fp8 else ""), ms=ms, gbps=gbps,
+            tflops=harness.tflops(B * Tq * Hq * topk * FLOP_PER_KEY, ms), note=share,
+        ))  # fmt: skip
+        harness.progress(rows[-1])
+    S, Hq = (2048, 128) if quick else (8192, 128)
+    q = torch.randn(S, Hq, DL + DR, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(S, 1, DL + DR, device=device, dtype=torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(2)
+    idx = torch.rand(S, S, device=device, generator=g).argsort(dim=-1)[:, None, :topk].int()
+    ms = harness.time_ms(lambda: fusedattn.mla_sparse_attention(q, kv, idx, head_dim_v=DL),
+                         device=device)  # fmt: skip
+    rows.append(harness.make_row(
+        env, op="mla-sparse-prefill", mode="fwd", impl="fusedattn-triton", dtype="bfloat16",
+        B=1, H=Hq, Tq=S, Tk=S, D=DL + DR, mask=f"topk{topk}", ms=ms,
+        tflops=harness.tflops(S * Hq * topk * FLOP_PER_KEY, ms),
+        note="FlashMLA's sparse prefill: 640 TFLOP/s on an H800 (published)",
+    ))  # fmt: skip
+    harness.progress(rows[-1])
+    return rows
+
+
 def cpu_rows(env, device) -> list[dict]:
     """One tiny call per path (CPU: the structure, not a speed)."""
     rows = []
@@ -122,11 +185,23 @@ def cpu_rows(env, device) -> list[dict]:
     return rows
 
 
+PART = "dense"  # --part: "dense" (issue #83's grid) or "sparse" (issue #85's)
+
+
 def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
     if device.type != "cuda":
         return cpu_rows(env, device)
-    return gpu_rows(env, device, quick)
+    return sparse_rows(env, device, quick) if PART == "sparse" else gpu_rows(env, device, quick)
 
 
 if __name__ == "__main__":
-    harness.cli(run, "mla.csv")
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--part", choices=("dense", "sparse"), default="dense")
+    known, rest = parser.parse_known_args()
+    PART = known.part
+    if "-h" in rest or "--help" in rest:
+        print("--part {dense,sparse}: the dense decode grid (mla.csv) or DeepSeek sparse "
+              "attention's decode and prefill (mla_sparse.csv)")  # fmt: skip
+    harness.cli(run, "mla_sparse.csv" if PART == "sparse" else "mla.csv", argv=rest)

@@ -64,6 +64,12 @@
 #           key x head arithmetic and vLLM's TRITON_MLA kernel where vLLM is installed
 #           (targets: memory-bound >= 80 % of copy, Hq = 128 >= 330 TFLOP/s, fp8 >= 1.7x bf16
 #           at B >= 8)
+#   mla-sparse build mla-sparse-tests bench-mla-sparse (issue #85, one call of at most 8
+#           minutes): the sparse tests on the compiled kernel, then bench_mla.py --part sparse:
+#           decode over 2048 listed keys at B = 1, 32, 128, Hq = 16 and 128, Tq = 1 and 2,
+#           caches of 8k and 32k, bf16 and fp8, and the sparse prefill at 8k (targets: fp8 at
+#           B = 128, Hq = 128, Tq = 2 >= 200 TFLOP/s; memory-bound >= 70 % of copy over the
+#           gathered bytes)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
@@ -103,6 +109,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   flex-mods) steps=" build flex-mod-tests bench-flex-mods " ;;
   invariant) steps=" build invariant-tests bench-invariant " ;;
   mla) steps=" build mla-tests bench-mla " ;;
+  mla-sparse) steps=" build mla-sparse-tests bench-mla-sparse " ;;
   *) steps=" ${GPU_CHECK_STEPS} " ;;
 esac
 status=0
@@ -280,6 +287,10 @@ step bench-invariant 240 $PYTHON benchmarks/bench_invariant.py --out "$out_dir"
 step mla-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
   tests/test_mla.py
 step bench-mla 300 $PYTHON benchmarks/bench_mla.py --out "$out_dir"
+# issue #85: DeepSeek sparse attention on the compiled kernel, then its decode and prefill rows
+step mla-sparse-tests 150 $PYTHON -m pytest -n "${GPU_TEST_WORKERS:-15}" -q -rs --tb=short \
+  tests/test_mla_sparse.py
+step bench-mla-sparse 300 $PYTHON benchmarks/bench_mla.py --part sparse --out "$out_dir"
 # issue #17: a wheel without _C (as `pip install .` builds it), backend="cuda" compiling on first use
 step first-use 240 bash scripts/first_use_check.sh "$(mktemp -d)"
 # issue #62: vLLM's CUDA build serving a random Llama (Llama-3-8B's attention, 8 layers) on
