@@ -39,6 +39,10 @@ CASES = {
     "sparse_hq128_paged64": dict(Hq=128, page=64, sparse=2048),
     "sparse_hq128_paged64_tq2": dict(Hq=128, page=64, sparse=2048, Tq=2),
     "sparse_hq128_paged64_fp8": dict(Hq=128, page=64, sparse=2048, fp8=True),
+    # DeepSeek's 656-byte rows (e4m3 latent, a float32 scale per 128 values, bf16 rope)
+    "hq128_paged64_ds656": dict(Hq=128, page=64, ds=True),
+    "sparse_hq128_paged64_ds656": dict(Hq=128, page=64, sparse=2048, ds=True),
+    "sparse_hq16_paged64_ds656": dict(Hq=16, page=64, sparse=2048, ds=True),
 }
 
 
@@ -60,13 +64,16 @@ def launch_args(name: str, tiles=None):
     c = CASES[name]
     Hq, page, Tq = c["Hq"], c["page"], c.get("Tq", 1)
     sparse = c.get("sparse", 0)
-    cfg = K.mla_config(Hq if sparse else Hq * Tq, DL, DR, True, bool(c.get("fp8")))
+    cfg = K.mla_config(Hq if sparse else Hq * Tq, DL, DR, True, bool(c.get("fp8")),
+                       bool(c.get("ds")))  # fmt: skip
     bm, bn, warps, stages = tiles or (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
     B = 1
     cache_dtype = torch.float8_e4m3fn if c.get("fp8") else torch.bfloat16
     q = torch.empty(B, Tq, Hq, DL + DR, dtype=torch.bfloat16)
     q_v, q_r = q[..., :DL], q[..., DL:]
     kv = torch.empty(B * S // page, page, DL + DR, dtype=cache_dtype)
+    if c.get("ds"):  # 656 bytes a row
+        kv = torch.empty(B * S // page, page, 656, dtype=torch.uint8)
     table = torch.empty(B, S // page, dtype=torch.int32)
     out = torch.empty(B, Tq, Hq, DL, dtype=torch.bfloat16)
     lse = torch.empty(B, Hq, Tq)
@@ -89,7 +96,8 @@ def launch_args(name: str, tiles=None):
         SPLIT=split or bool(c.get("invariant")), HAS_ROPE=True, PRECISION="tf32",
         DOT_IN_FP32=False, INTERPRETED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_V=cfg.block_v,
         BLOCK_R=cfg.block_r, num_warps=warps, num_stages=stages,
-        CACHE_FP8=1 if c.get("fp8") else 0, INVARIANT_SPLIT=c.get("invariant", 0),
+        CACHE_FP8=3 if c.get("ds") else 1 if c.get("fp8") else 0,
+        INVARIANT_SPLIT=c.get("invariant", 0),
         SPARSE=bool(sparse),
     )  # fmt: skip
     return args, constexprs, f"{bm}x{bn}w{warps}s{stages}"

@@ -274,7 +274,7 @@ def test_flash_mla_compat_keeps_flashmlas_conventions(backend, monkeypatch):
     torch.testing.assert_close(lse[0].double(), want_lse[0].double(), rtol=1e-4, atol=1e-4)
     with pytest.raises(AssertionError, match="inconsistent with sched_meta"):
         flash_mla.flash_mla_with_kvcache(q[:, :1], cache, table, seqlens, 64, meta)
-    with pytest.raises(ValueError, match="is_fp8_kvcache \\(FlashMLA's fp8 layout\\)"):
+    with pytest.raises(ValueError, match="is_fp8_kvcache: k_cache must hold 656-byte rows"):
         flash_mla.flash_mla_with_kvcache(q, cache, table, seqlens, 64,
                                          flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True)  # fmt: skip
 

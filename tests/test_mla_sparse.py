@@ -268,7 +268,7 @@ def test_flash_mlas_sparse_decode_call_runs_unmodified(backend, monkeypatch):
         _, lse = flash_mla.flash_mla_with_kvcache(q, cache, None, None, Dl, meta, None,
                                                   indices=slots)  # fmt: skip
     assert torch.equal(lse[1], torch.full_like(lse[1], float("inf")))  # FlashMLA's empty row
-    for kw, pattern in ((dict(is_fp8_kvcache=True), "656-byte fp8 layout"),
+    for kw, pattern in ((dict(is_fp8_kvcache=True), "k_cache must hold 656-byte rows"),
                         (dict(causal=True), "causal must be False with indices"),
                         (dict(extra_k_cache=cache), "a second \\(extra\\) cache")):  # fmt: skip
         with pytest.raises(ValueError, match=pattern):
@@ -311,3 +311,118 @@ def test_the_sparse_prefill_is_each_querys_attention_over_its_rows(backend):
     logits = logits * D**-0.5
     logits[(prefix < 0)[:, None, :].expand_as(logits)] = float("-inf")
     torch.testing.assert_close(max_logits.double(), logits.amax(-1), rtol=1e-5, atol=1e-5)
+
+
+# ---- DeepSeek's 656-byte fp8 rows (issue #85 item 3) ----------------------------------------
+
+
+def _format_float64(x):
+    """The 656-byte row of FlashMLA's tests, computed in float64: per 128-value group the
+    scale amax / 448 rounded up to a power of two (1 for an all-zero group), the values
+    x / scale in e4m3, then the 4 scales as float32 and the rope part as bfloat16."""
+    x = x.double()
+    groups = x[..., :512].reshape(*x.shape[:-1], 4, 128)
+    amax = groups.abs().amax(-1)
+    scale = torch.where(amax > 0, 2.0 ** torch.ceil(torch.log2(amax / 448.0)), 1.0)
+    values = (groups / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return torch.cat([values.reshape(*x.shape[:-1], 512).view(torch.uint8),
+                      scale.float().view(torch.uint8),
+                      x[..., 512:].to(torch.bfloat16).view(torch.uint8)], dim=-1)  # fmt: skip
+
+
+def test_the_656_byte_rows_round_trip_as_flashmlas_format():
+    from fusedattn.fp8 import dequantize_mla_ds, quantize_mla_ds
+
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 7, 576, generator=g) * torch.logspace(-3, 3, 7)[None, :, None]
+    x[0, 0, :128] = 0.0  # an all-zero group
+    x[1, 1, 5] = 1e30  # saturates its group's scale, not the others
+    rows = quantize_mla_ds(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, 7, 656)
+    assert torch.equal(rows, _format_float64(x))
+    back = dequantize_mla_ds(rows).double()
+    groups = rows[..., 512:528].contiguous().view(torch.float32).double()
+    want = torch.cat([(rows[..., :512].contiguous().view(torch.float8_e4m3fn).double()
+                       .reshape(3, 7, 4, 128) * groups[..., None]).reshape(3, 7, 512),
+                      x[..., 512:].to(torch.bfloat16).double()], dim=-1)  # fmt: skip
+    assert torch.equal(back, want)
+    assert (back[..., :512] - x[..., :512].double()).abs().max() <= x.abs().max() * 2**-4
+
+
+@kernels
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_decode_reads_the_656_byte_rows_in_place(sparse):
+    """The dense and sparse decode over a 656-byte cache against the float64 attention over the
+    values its rows hold (the row format's own error is not the kernel's)."""
+    from fusedattn.fp8 import dequantize_mla_ds, quantize_mla_ds
+
+    g = torch.Generator().manual_seed(16)
+    B, Hq, page, pages = 2, 4, 16, 7
+    rows = quantize_mla_ds(torch.randn(pages, page, 1, 576, generator=g)).to(_device())
+    table = torch.randperm(pages, generator=g)[:6].view(B, 3).int().to(_device())
+    seqlens = torch.tensor([45, 19], dtype=torch.int32, device=_device())
+    q = torch.randn(B, 2, Hq, 576, generator=g).to(torch.bfloat16).to(_device())
+    kw = dict(cache_seqlens=seqlens, block_table=table, head_dim_v=512, return_lse=True)
+    if sparse:
+        kw["indices"] = torch.randint(0, pages * page, (B, 2, 24), generator=g).int().to(_device())
+    values = dequantize_mla_ds(rows)
+    with torch.no_grad():
+        out, lse = fusedattn.mla_attention_with_kvcache(q, rows, backend="triton", **kw)
+        want, want_lse = fusedattn.mla_attention_with_kvcache(q.double(), values.double(),
+                                                              backend="reference", **kw)  # fmt: skip
+        base, _ = fusedattn.mla_attention_with_kvcache(q, rows, backend="reference", **kw)
+    assert out.dtype == torch.bfloat16
+    assert_close_kx(out.float(), want, base.float(), name="out")
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=1e-3, atol=1e-3)
+
+
+def test_an_append_writes_656_byte_rows_and_bad_calls_are_refused():
+    from fusedattn.fp8 import quantize_mla_ds
+
+    g = torch.Generator().manual_seed(17)
+    rows = torch.zeros(4, 16, 1, 656, dtype=torch.uint8, device=_device())
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=_device())
+    seqlens = torch.tensor([5, 16], dtype=torch.int32, device=_device())
+    kv_c = torch.randn(2, 2, 512, generator=g).to(_device())
+    k_pe = torch.randn(2, 2, 64, generator=g).to(_device())
+    q = torch.randn(2, 1, 4, 576, generator=g).to(_device())
+    with torch.no_grad():
+        fusedattn.mla_attention_with_kvcache(q, rows, kv_c, k_pe, cache_seqlens=seqlens,
+                                             block_table=table, backend="reference")  # fmt: skip
+    new = quantize_mla_ds(torch.cat([kv_c, k_pe], dim=-1))
+    assert torch.equal(rows[2, 5:7, 0], new[0]) and torch.equal(rows[3, 0:2, 0], new[1])
+    assert int(rows[0].sum()) == 0 and int(rows[1].sum()) == 0  # nothing else written
+    call = dict(cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match=r"656-byte rows .* head_dim_v 512"):
+        fusedattn.mla_attention_with_kvcache(q, rows, head_dim_v=448, **call)
+    with pytest.raises(ValueError, match="whose scales are in each row"):
+        fusedattn.mla_attention_with_kvcache(q, rows, kv_descale=torch.ones(1), **call)
+    with pytest.raises(ValueError, match="656-byte fp8 rows: the torch backend"):
+        fusedattn.mla_attention_with_kvcache(q, rows, backend="torch", **call)
+
+
+def test_flash_mlas_fp8_layout_runs_through_the_compat_call():
+    """is_fp8_kvcache=True: FlashMLA's 656-byte rows (held as float8_e4m3fn), dense and
+    sparse, equal fusedattn's own call on the same bytes."""
+    from fusedattn.compat import flash_mla
+    from fusedattn.fp8 import quantize_mla_ds
+
+    g = torch.Generator().manual_seed(18)
+    rows = quantize_mla_ds(torch.randn(4, 16, 1, 576, generator=g)).to(_device())
+    table = torch.tensor([[1, 3], [0, 2]], dtype=torch.int32, device=_device())
+    seqlens = torch.tensor([30, 9], dtype=torch.int32, device=_device())
+    q = torch.randn(2, 1, 4, 576, generator=g).to(torch.bfloat16).to(_device())
+    held = rows.view(torch.float8_e4m3fn)  # as FlashMLA's tests hold them
+    with torch.no_grad():
+        out, _ = flash_mla.flash_mla_with_kvcache(q, held, table, seqlens, 512,
+                                                  flash_mla.get_mla_metadata()[0],
+                                                  is_fp8_kvcache=True)  # fmt: skip
+        want = fusedattn.mla_attention_with_kvcache(q, rows, cache_seqlens=seqlens,
+                                                    block_table=table, head_dim_v=512)  # fmt: skip
+        idx = torch.randint(0, 64, (2, 1, 10), generator=g).int().to(_device())
+        sparse, _ = flash_mla.flash_mla_with_kvcache(q, held, None, None, 512,
+                                                     flash_mla.get_mla_metadata()[0],
+                                                     is_fp8_kvcache=True, indices=idx)  # fmt: skip
+        want_sparse = fusedattn.mla_attention_with_kvcache(
+            q, rows, cache_seqlens=seqlens, block_table=table, head_dim_v=512, indices=idx)  # fmt: skip
+    assert torch.equal(out, want) and torch.equal(sparse, want_sparse)

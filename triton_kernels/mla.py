@@ -18,7 +18,9 @@ output). With one split the program writes OUT and LSE; with several, fp32 parti
 decode kernels' `decode_combine` (decode.py, Hkv = 1, group = Hq) merges in a fixed order.
 
 CACHE_FP8 (1 e4m3, 2 e5m2; the cache passed as its bytes): one per-tensor descale folded into
-the scale and the output, as vLLM's fp8 MLA cache. INVARIANT_SPLIT (fusedattn.batch_invariant):
+the scale and the output, as vLLM's fp8 MLA cache; 3: DeepSeek's 656-byte rows (uint8: 512
+e4m3 latent bytes, 4 float32 scales, one per 128 values, 64 bfloat16 rope values; the
+kernel's row strides in bytes), each tile dequantized in registers with its groups' scales. INVARIANT_SPLIT (fusedattn.batch_invariant):
 tiles and splits at fixed key positions from key 0, as attention_decode's.
 
 SPARSE (DeepSeek sparse attention): query i of sequence b attends to the keys INDICES[b, i]
@@ -52,7 +54,8 @@ class MLAConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def mla_config(rows: int, Dv: int, Dr: int, on_gpu: bool, fp8: bool = False) -> MLAConfig:
+def mla_config(rows: int, Dv: int, Dr: int, on_gpu: bool, fp8: bool = False,
+               ds656: bool = False) -> MLAConfig:  # fmt: skip
     """Tiles for Hq * Tq rows and Dv + Dr columns (pure; tested). From the sm_90 screen at
     DeepSeek's 512 + 64 (scripts/static_mla.py, benchmarks/results/sm90-static/mla.csv): the
     accumulator is BLOCK_M x BLOCK_V fp32, so 64 rows take 8 warps (128 registers a thread
@@ -67,6 +70,8 @@ def mla_config(rows: int, Dv: int, Dr: int, on_gpu: bool, fp8: bool = False) -> 
     block_r = max(16, triton.next_power_of_2(max(Dr, 1)))
     if not on_gpu:
         return MLAConfig(16, 16, block_v, block_r, 1, 1)
+    if ds656:  # DeepSeek's 656-byte rows: the group scales' reshape spilled 452-744 B at 32 rows
+        return MLAConfig(16, 32, block_v, block_r, 4, 2)  # 0 spills, 1399 instructions a tile
     if rows >= 64 and not fp8:
         return MLAConfig(64, 32, block_v, block_r, 8, 2)
     return MLAConfig(32, 32, block_v, block_r, 8, 2)
@@ -118,7 +123,7 @@ def mla_decode(
         q_pe = tl.load(Q_PE + b * sqp_b + q_row[:, None] * sqp_t + h[:, None] * sqp_h + r[None, :],
                        mask=row_ok[:, None] & (r < Dr)[None, :], other=0.0)  # fmt: skip
     v_scale = 1.0
-    if CACHE_FP8:  # stored x descale: into the scores' scale and the output
+    if CACHE_FP8 == 1 or CACHE_FP8 == 2:  # stored x descale: into the scores' scale and output
         descale = tl.load(KV_DESCALE)
         scale = scale * descale
         v_scale = descale
@@ -171,14 +176,28 @@ def mla_decode(
         # the latent tile: K's first part and all of V, loaded once
         c = tl.load(KV + row[:, None] + v[None, :], mask=col_ok[:, None] & (v < Dv)[None, :],
                     other=0.0)  # fmt: skip
-        if CACHE_FP8:
+        if CACHE_FP8 == 3:  # 656-byte rows: e4m3 bytes x their 128-group's float32 scale
+            if not INTERPRETED:
+                c = c.to(tl.float8e4nv, bitcast=True)
+            groups = (KV + row[:, None] + Dv).to(tl.pointer_type(tl.float32))
+            group_scale = tl.load(
+                groups + tl.arange(0, 4)[None, :], mask=col_ok[:, None], other=0.0
+            )  # (BLOCK_N, 4): one load per row and group
+            c = tl.reshape(fp8_to_float(c, False, INTERPRETED), (BLOCK_N, 4, BLOCK_V // 4))
+            c = tl.reshape(c * group_scale[:, :, None], (BLOCK_N, BLOCK_V)).to(q.dtype)
+        elif CACHE_FP8:
             c = fp8_to_float(c, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
         qk = _dot(q, tl.trans(c), PRECISION, DOT_IN_FP32)
         if HAS_ROPE:
-            kr = tl.load(KV + row[None, :] + Dv + r[:, None],
-                         mask=col_ok[None, :] & (r < Dr)[:, None], other=0.0)  # fmt: skip
-            if CACHE_FP8:
-                kr = fp8_to_float(kr, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
+            if CACHE_FP8 == 3:  # the rope columns as bfloat16 after the 4 scales
+                rope = (KV + row[None, :] + Dv + 16).to(tl.pointer_type(tl.bfloat16))
+                kr = tl.load(rope + r[:, None], mask=col_ok[None, :] & (r < Dr)[:, None],
+                             other=0.0).to(q.dtype)  # fmt: skip
+            else:
+                kr = tl.load(KV + row[None, :] + Dv + r[:, None],
+                             mask=col_ok[None, :] & (r < Dr)[:, None], other=0.0)  # fmt: skip
+                if CACHE_FP8:
+                    kr = fp8_to_float(kr, CACHE_FP8 == 2, INTERPRETED).to(q.dtype)
             qk += _dot(q_pe, kr, PRECISION, DOT_IN_FP32)
         s = qk * (scale * 1.4426950408889634)
         keep = col_ok[None, :] & row_ok[:, None]

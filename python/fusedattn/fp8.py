@@ -73,3 +73,49 @@ def output_dtype(q: torch.Tensor, out_dtype) -> torch.dtype:
     if out_dtype is not None:
         return out_dtype
     return torch.bfloat16 if is_fp8(q) else q.dtype
+
+
+# DeepSeek's fp8 MLA cache row (FlashMLA's and vLLM's `fp8_ds_mla`): per token 512 e4m3 latent
+# values, 4 float32 scales (one per 128 values), 64 bfloat16 rope values: 656 bytes.
+MLA_DS_LATENT, MLA_DS_ROPE, MLA_DS_GROUP = 512, 64, 128
+MLA_DS_SCALES = MLA_DS_LATENT // MLA_DS_GROUP
+MLA_DS_BYTES = MLA_DS_LATENT + 4 * MLA_DS_SCALES + 2 * MLA_DS_ROPE  # 656
+
+
+def is_mla_ds(t) -> bool:
+    """Whether t holds DeepSeek 656-byte MLA rows (uint8, the last dimension 656)."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape[-1] == MLA_DS_BYTES
+
+
+def quantize_mla_ds(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 576) (512 latent then 64 rope columns) as 656-byte rows (..., 656) uint8: each
+    group of 128 latent values divided by its scale, amax / 448 rounded up to a power of two
+    (an all-zero group: scale 1), in float8_e4m3fn (nearest-even, saturating); the 4 scales
+    as float32; the rope columns as bfloat16."""
+    if x.shape[-1] != MLA_DS_LATENT + MLA_DS_ROPE:
+        raise ValueError(f"quantize_mla_ds takes rows of {MLA_DS_LATENT} latent + {MLA_DS_ROPE} "
+                         f"rope values, got {x.shape[-1]}")  # fmt: skip
+    lead = x.shape[:-1]
+    latent = x[..., :MLA_DS_LATENT].float().reshape(*lead, MLA_DS_SCALES, MLA_DS_GROUP)
+    amax = latent.abs().amax(dim=-1)
+    limit = FP8_MAX[torch.float8_e4m3fn]
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / limit))), 1.0)
+    values = quantize(latent, scale[..., None], torch.float8_e4m3fn).reshape(*lead, MLA_DS_LATENT)
+    rope = x[..., MLA_DS_LATENT:].to(torch.bfloat16)
+    return torch.cat([values.view(torch.uint8), scale.contiguous().view(torch.uint8),
+                      rope.contiguous().view(torch.uint8)], dim=-1)  # fmt: skip
+
+
+def dequantize_mla_ds(rows: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """656-byte rows (..., 656) uint8 as (..., 576) `dtype` values: latent = e4m3 x its
+    group's scale, rope the stored bfloat16."""
+    if not is_mla_ds(rows):
+        raise ValueError(f"dequantize_mla_ds takes uint8 rows of {MLA_DS_BYTES} bytes, got "
+                         f"{rows.dtype} {tuple(rows.shape)}")  # fmt: skip
+    lead = rows.shape[:-1]
+    rows = rows.contiguous()
+    values = rows[..., :MLA_DS_LATENT].view(torch.float8_e4m3fn).float()
+    scale = rows[..., MLA_DS_LATENT : MLA_DS_LATENT + 4 * MLA_DS_SCALES].view(torch.float32)
+    latent = values.reshape(*lead, MLA_DS_SCALES, MLA_DS_GROUP) * scale[..., None]
+    rope = rows[..., MLA_DS_LATENT + 4 * MLA_DS_SCALES :].view(torch.bfloat16).float()
+    return torch.cat([latent.reshape(*lead, MLA_DS_LATENT), rope], dim=-1).to(dtype)

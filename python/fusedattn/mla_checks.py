@@ -17,7 +17,7 @@ from .checks import (
     check_tensor,
     shape_str,
 )
-from .fp8 import is_fp8
+from .fp8 import MLA_DS_BYTES, MLA_DS_LATENT, MLA_DS_ROPE, is_fp8, is_mla_ds
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,12 @@ def check_mla_args(q, kv_cache, kv_c, k_pe, cache_seqlens, block_table, head_dim
     if kv4.shape[2] != 1:
         raise ValueError(f"kv_cache holds one latent head (its third dimension 1), got "
                          f"{shape_str(kv_cache.shape)}")  # fmt: skip
-    if kv4.shape[-1] != D:
+    ds = is_mla_ds(kv4)  # DeepSeek's 656-byte fp8 rows (fp8.quantize_mla_ds)
+    if ds and (D, Dv) != (MLA_DS_LATENT + MLA_DS_ROPE, MLA_DS_LATENT):
+        raise ValueError(f"kv_cache holds DeepSeek's {MLA_DS_BYTES}-byte rows (512 latent + 64 "
+                         f"rope values): q's D must be 576 and head_dim_v 512, got D = {D}, "
+                         f"head_dim_v = {Dv}")  # fmt: skip
+    if kv4.shape[-1] != D and not ds:
         raise ValueError(f"kv_cache rows must have q's D = {D} columns (latent + rope), got "
                          f"{kv4.shape[-1]}")  # fmt: skip
     if kv4.stride(-1) != 1:
@@ -97,6 +102,13 @@ def check_mla_args(q, kv_cache, kv_c, k_pe, cache_seqlens, block_table, head_dim
                              f"vLLM's fp8 MLA cache), got {shape_str(kv_descale.shape)}")  # fmt: skip
         if head.dtype == torch.float64:
             raise TypeError("an fp8 kv_cache is read with q in float16, bfloat16 or float32")
+    elif ds:
+        if kv_descale is not None:
+            raise ValueError(f"kv_descale is given but kv_cache holds {MLA_DS_BYTES}-byte rows, "
+                             "whose scales are in each row")  # fmt: skip
+        if head.dtype == torch.float64:
+            raise TypeError(f"a {MLA_DS_BYTES}-byte kv_cache is read with q in float16, bfloat16 "
+                            "or float32")  # fmt: skip
     else:
         if kv_descale is not None:
             raise ValueError(f"kv_descale is given but kv_cache is {kv4.dtype}: descales belong "
@@ -133,7 +145,7 @@ def check_mla_args(q, kv_cache, kv_c, k_pe, cache_seqlens, block_table, head_dim
                                  f"got {shape_str(t.shape)}")  # fmt: skip
             if t.device != head.device:
                 raise ValueError(f"{name} must be on {head.device}, got {t.device}")
-            if is_fp8(kv4):
+            if is_fp8(kv4) or ds:
                 if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                     raise TypeError(f"{name} (written into an fp8 cache) must be float16, "
                                     f"bfloat16 or float32, got {t.dtype}")  # fmt: skip

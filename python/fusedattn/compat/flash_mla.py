@@ -13,8 +13,8 @@ defaults to 1/sqrt(head_dim); a scheduling object is reused only for calls of th
 and options (asserted, as FlashMLA asserts). Where FlashMLA takes page size 64 only, Hopper or
 Blackwell only and 64 or 128 heads only, this takes any page size, any GPU Triton runs on and
 any head count. Sparse decode (`indices`, `topk_length`, `attn_sink`: DeepSeek-V3.2) runs
-over a bf16/fp16 cache. Not yet here: FlashMLA's 656-byte fp8 layout (`is_fp8_kvcache`), the
-extra cache (refused by name). `flash_mla_sparse_fwd` (the sparse prefill) runs
+over a bf16/fp16 cache and over FlashMLA's 656-byte fp8 layout (`is_fp8_kvcache`). Not yet here:
+the extra cache (refused by name). `flash_mla_sparse_fwd` (the sparse prefill) runs
 `fusedattn.mla_sparse_attention`.
 """
 
@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from ..fp8 import MLA_DS_BYTES
 from ..ops import mla_attention_with_kvcache, mla_sparse_attention
 
 __all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache",
@@ -89,9 +90,7 @@ def flash_mla_with_kvcache(
         raise ValueError("flash_mla_with_kvcache: attn_sink must be None when dense attention "
                          "is used (as in FlashMLA)")  # fmt: skip
     if is_fp8_kvcache:
-        raise ValueError("fusedattn.compat.flash_mla: is_fp8_kvcache (FlashMLA's fp8 layout) "
-                         "is not implemented yet; fusedattn.mla_attention_with_kvcache reads "
-                         "e4m3/e5m2 caches with kv_descale")  # fmt: skip
+        k_cache = _ds_rows(k_cache)
     if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         raise AssertionError("tile_scheduler_metadata must be of type FlashMLASchedMeta")
     if block_table is None or cache_seqlens is None:
@@ -139,11 +138,9 @@ def _sparse_decode(q, k_cache, head_dim_v, meta, softmax_scale, causal, is_fp8_k
     k_cache viewed as (num_blocks x page_block_size) rows (block x page_block_size + offset),
     -1 unused; no block table or lengths (FlashMLA passes None for both); attn_sink (num_heads_q,)
     float32 and topk_length (batch_size,) int32 as FlashMLA's. FlashMLA runs it over its
-    656-byte fp8 layout only; here over a bf16/fp16 cache (that layout: refused by name)."""
+    656-byte fp8 layout only (is_fp8_kvcache); here over that layout or a bf16/fp16 cache."""
     if is_fp8_kvcache:
-        raise ValueError("fusedattn.compat.flash_mla: is_fp8_kvcache (FlashMLA's 656-byte fp8 "
-                         "layout) is not implemented yet; sparse decode over a bf16 or fp16 "
-                         "cache is")  # fmt: skip
+        k_cache = _ds_rows(k_cache)
     if causal:
         raise ValueError("flash_mla_with_kvcache: causal must be False with indices (the "
                          "indices are the keys a query sees, as in FlashMLA)")  # fmt: skip
@@ -192,3 +189,13 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
             maxes.append(logits.amax(dim=-1) if logits.shape[-1] else logits.sum(-1) - float("inf"))
         max_logits = torch.cat(maxes) if maxes else lse.new_empty(lse.shape)
     return out, max_logits, lse
+
+
+def _ds_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's fp8 cache (is_fp8_kvcache): 656-byte rows, held as float8_e4m3fn or uint8
+    (num_blocks, page_block_size, 1, 656), as fusedattn reads them (uint8, in place)."""
+    if k_cache.shape[-1] != MLA_DS_BYTES or k_cache.element_size() != 1:
+        raise ValueError(f"is_fp8_kvcache: k_cache must hold {MLA_DS_BYTES}-byte rows (float8 or "
+                         f"uint8, last dimension {MLA_DS_BYTES}), got {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)}")  # fmt: skip
+    return k_cache.view(torch.uint8)

@@ -8,7 +8,7 @@ import torch
 
 from ..cache_layout import append_to_cache
 from ..checks import check_kvcache_values
-from ..fp8 import is_fp8, output_dtype
+from ..fp8 import dequantize_mla_ds, is_fp8, is_mla_ds, output_dtype, quantize_mla_ds
 from ..masks import Window
 from ..mla_checks import (
     check_index_values,
@@ -27,6 +27,10 @@ def append_latent(kv_cache, kv_c, k_pe, seqlens, block_table, kv_descale=None) -
     buffer, cache_layout.append_to_cache's writes)."""
     Dl = kv_c.shape[-1]
     rope = k_pe if k_pe is not None else kv_c[..., :0]
+    if is_mla_ds(kv_cache):  # DeepSeek's 656-byte rows: quantized whole, written as bytes
+        rows = quantize_mla_ds(torch.cat([kv_c, rope], dim=-1))[:, :, None]
+        append_to_cache(kv_cache, kv_cache[..., :0], rows, rows[..., :0], seqlens, block_table)
+        return
     append_to_cache(kv_cache[..., :Dl], kv_cache[..., Dl:], kv_c[:, :, None], rope[:, :, None],
                     seqlens, block_table, kv_descale, kv_descale)  # fmt: skip
 
@@ -65,6 +69,14 @@ def gathered_attention(call, block_table, scale, is_causal, sinks, return_lse, k
     """The attention of a checked call over each sequence's keys [0, seqlens_k[b])."""
     q = call.q if call.q_pe is None else torch.cat([call.q, call.q_pe], dim=-1)
     kv = call.kv_cache
+    if is_mla_ds(kv):  # the 656-byte rows as the values they hold (float32), out in q's dtype
+        kv, out_dtype = dequantize_mla_ds(kv), q.dtype
+        result = cached_attention(
+            q.float(), kv, kv[..., : call.Dv], seqlens_k, block_table, None, scale,
+            Window(-1, 0, True) if is_causal else Window(), 0.0, None, sinks, return_lse,
+        )  # fmt: skip
+        out, lse = result if return_lse else (result, None)
+        return (out.to(out_dtype), lse) if return_lse else out.to(out_dtype)
     window = Window(-1, 0, True) if is_causal else Window()
     return cached_attention(
         q, kv, kv[..., : call.Dv], seqlens_k, block_table, None, scale, window, 0.0, None,
@@ -94,6 +106,9 @@ def sparse_attention(q, kv_cache, slots, seqlens_k, paged, Dv, scale, is_causal,
     at L_b - Tq + i). q (B, Tq, Hq, D) whole; kv_cache (rows, slots, 1, D)."""
     B, Tq, Hq, D = q.shape
     dtype = output_dtype(q, None)
+    if is_mla_ds(kv_cache):  # the 656-byte rows as the values they hold
+        kv_cache = dequantize_mla_ds(kv_cache)
+        D = kv_cache.shape[-1]
     rows = kv_cache[:, :, 0]
     flat = rows.reshape(-1, D) if paged else None
     capacity = flat.shape[0] if paged else rows.shape[1]

@@ -9,6 +9,7 @@ reads the cache. The value checks (a host read) run inside their real implementa
 import torch
 
 from ...checks import check_kvcache_values
+from ...fp8 import is_mla_ds
 from ...mla_checks import check_slot_values
 from ...reference.mla import append_latent
 from ..core import backends
@@ -22,7 +23,7 @@ def append_impl(kv_cache, kv_c, k_pe, seqlens, block_table, kv_descale, check_va
     if check_values:
         check_kvcache_values(seqlens, None, block_table, kv_cache, kv_c.shape[1],
                              descales=dict(kv_descale=kv_descale))  # fmt: skip
-    if not (kv_cache.is_cuda and backends.TRITON_INSTALLED):
+    if not (kv_cache.is_cuda and backends.TRITON_INSTALLED) or is_mla_ds(kv_cache):
         append_latent(kv_cache, kv_c, k_pe, seqlens, block_table, kv_descale)
         return
     Dl = kv_c.shape[-1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...fp8 import is_fp8
+from ...fp8 import is_fp8, is_mla_ds
 from ..shared import sdpa
 from ..shared.cache_sdpa import cache_attention
 from .backend_args import full_q, window_of
@@ -21,6 +21,9 @@ def refusals(*, q, kv_cache, sinks, return_lse, indices=None, **_inputs) -> list
     if indices is not None:
         reasons.append("indices (sparse attention): the torch backend has no sparse path; "
                        "backend='triton' runs it on a GPU, 'reference' anywhere")  # fmt: skip
+    if is_mla_ds(kv_cache):
+        reasons.append("kv_cache holds DeepSeek's 656-byte fp8 rows: the torch backend has no "
+                       "path for them; backend='triton' on a GPU, 'reference' anywhere")  # fmt: skip
     return reasons
 
 

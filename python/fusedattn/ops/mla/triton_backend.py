@@ -10,7 +10,7 @@ import torch
 
 from ... import invariance
 from ...cache_layout import kvcache_capacity
-from ...fp8 import is_fp8
+from ...fp8 import is_fp8, is_mla_ds
 from ..core import triton_launch
 from ..core.kernels import dense, dot_flags, kernels, sm_count
 from ..core.outputs import new_output
@@ -49,7 +49,7 @@ class TritonMLA:
         sparse = indices is not None  # a program per query: its heads are the rows
         rows = Hq * Tq
         per_program = Hq if sparse else rows
-        cfg = K.mla_config(per_program, Dv, Dr, q.is_cuda, is_fp8(kv_cache))
+        cfg = K.mla_config(per_program, Dv, Dr, q.is_cuda, is_fp8(kv_cache), is_mla_ds(kv_cache))
         capacity = kvcache_capacity(kv_cache, block_table)
         keys = indices.shape[2] if sparse else capacity  # what the splits cut
         invariant_split = 0
@@ -91,6 +91,8 @@ class TritonMLA:
         )  # fmt: skip
         if is_fp8(kv_cache):
             self.constexprs["CACHE_FP8"] = FP8_CODES[kv_cache.dtype]
+        elif is_mla_ds(kv_cache):  # DeepSeek's 656-byte rows
+            self.constexprs["CACHE_FP8"] = 3
         if invariant_split:
             self.constexprs["INVARIANT_SPLIT"] = invariant_split
         if sparse:
