@@ -111,20 +111,23 @@ def _sparse_indices(table, B, Tq, L, page, topk, device):
 
 def sparse_rows(env, device, quick: bool) -> list[dict]:
     """DeepSeek sparse attention (issue #85): decode over each query's 2048 listed keys at
-    B = 1, 32, 128, Hq = 16 and 128, Tq = 1 and 2 (MTP), caches of 8k and 32k, bf16 and fp8
-    (e4m3, per-tensor descale); and the sparse prefill at Sq = Skv = 8k, Hq = 128. GB/s over
+    B = 1, 32, 128, Hq = 16 and 128, Tq = 1 and 2 (MTP), caches of 8k and 32k, bf16, fp8
+    (e4m3, per-tensor descale) and DeepSeek's 656-byte rows; and the sparse prefill at Sq = Skv = 8k, Hq = 128. GB/s over
     the rows actually gathered (B x Tq x topk x 576 x bytes) against the copy rate, TFLOP/s at
     2176 FLOP per listed key x head x query. Targets: fp8 decode at B = 128, Hq = 128, Tq = 2
     >= 200 TFLOP/s; memory-bound rows >= 70 % of the copy rate over the gathered bytes."""
     rows = []
     copy = harness.copy_gbps(device)
     topk, page = 2048, 64
-    grid = [(Hq, B, Tq, L, fp8) for Hq in (16, 128) for B in (1, 32, 128) for Tq in (1, 2)
-            for L in (8192, 32768) for fp8 in (False, True)]  # fmt: skip
+    grid = [(Hq, B, Tq, L, fmt) for Hq in (16, 128) for B in (1, 32, 128) for Tq in (1, 2)
+            for L in (8192, 32768) for fmt in ("bf16", "fp8", "ds656")]  # fmt: skip
     if quick:
         grid = [g for g in grid if g[1] in (1, 128) and g[3] == 8192]
-    for Hq, B, Tq, L, fp8 in grid:
+    for Hq, B, Tq, L, fmt in grid:
+        fp8 = fmt == "fp8"
         q, cache, table, seqlens, descale = _case(B, Hq, L, page, torch.bfloat16, device, fp8)
+        if fmt == "ds656":  # DeepSeek's 656-byte rows, read in place
+            cache = fusedattn.fp8.quantize_mla_ds(cache)
         q = torch.randn(B, Tq, Hq, DL + DR, device=device, dtype=torch.bfloat16)
         indices = _sparse_indices(table, B, Tq, L, page, topk, device)
 
@@ -135,13 +138,13 @@ def sparse_rows(env, device, quick: bool) -> list[dict]:
             )  # fmt: skip
 
         ms = harness.time_ms(ours, device=device)
-        nbytes = B * Tq * topk * (DL + DR) * cache.element_size()
+        nbytes = B * Tq * topk * cache.shape[-1] * cache.element_size()
         gbps = harness.gbps(nbytes, ms)
         share = f"{100 * gbps / copy:.0f} % of copy ({copy:.0f} GB/s)" if copy else ""
         rows.append(harness.make_row(
             env, op="mla-sparse-decode", mode="fwd", impl="fusedattn-triton", dtype="bfloat16",
-            B=B, H=Hq, Tq=Tq, Tk=L, D=DL + DR, mask=f"topk{topk} paged{page}"
-            + (" fp8" if fp8 else ""), ms=ms, gbps=gbps,
+            B=B, H=Hq, Tq=Tq, Tk=L, D=DL + DR, mask=f"topk{topk} paged{page} {fmt}", ms=ms,
+            gbps=gbps,
             tflops=harness.tflops(B * Tq * Hq * topk * FLOP_PER_KEY, ms), note=share,
         ))  # fmt: skip
         harness.progress(rows[-1])

@@ -67,9 +67,9 @@
 #   mla-sparse build mla-sparse-tests bench-mla-sparse (issue #85, one call of at most 8
 #           minutes): the sparse tests on the compiled kernel, then bench_mla.py --part sparse:
 #           decode over 2048 listed keys at B = 1, 32, 128, Hq = 16 and 128, Tq = 1 and 2,
-#           caches of 8k and 32k, bf16 and fp8, and the sparse prefill at 8k (targets: fp8 at
-#           B = 128, Hq = 128, Tq = 2 >= 200 TFLOP/s; memory-bound >= 70 % of copy over the
-#           gathered bytes)
+#           caches of 8k and 32k, bf16, fp8 and 656-byte rows, and the sparse prefill at 8k
+#           (targets: fp8 at B = 128, Hq = 128, Tq = 2 >= 200 TFLOP/s; memory-bound >= 70 % of
+#           copy over the gathered bytes)
 #   fp8     build fp8-tests bench-fp8 (issue #60, one call of at most 8 minutes: the fp8
 #           tests on the GPU's own fp8 conversions and tensor cores, then decoding over an
 #           fp8 cache and the fp8 forward against bf16 and SDPA, benchmarks/bench_fp8.py)
