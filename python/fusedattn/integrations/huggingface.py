@@ -114,12 +114,21 @@ def attention_forward(
     max_length_k: int | torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     backend: str = "auto",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) ->
-    (out (B, Tq, Hq, Dv), None). Attention weights are not returned (as with "sdpa")."""
+    (out (B, Tq, Hq, Dv), None). Attention weights are not returned (as with "sdpa").
+
+    indices (B, Tq, topk) int32 (DeepSeek-V3.2's DSA: the keys its indexer picked per query):
+    each query sees only its listed keys, within what the mask (or causality) lets it see, as
+    the model's eager path masks them. Run as a bool mask of the listed keys (B, 1, Tq, Tk),
+    O(Tq x Tk): the non-absorbed per-head q, k, v this hook is handed have no gather kernel
+    (fusedattn.mla_attention_with_kvcache(indices=) is the latent-cache form)."""
     _check_keywords(kwargs)
+    if indices is not None:
+        attention_mask = _selected_keys(indices, attention_mask, query, key, module, is_causal)
     descales = None
     if k_descale is not None or v_descale is not None or fp8.is_fp8(key):
         descales = _fp8_cache(query, key, value, k_descale, v_descale)
@@ -172,6 +181,27 @@ def attention_forward(
         **variants,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def _selected_keys(indices, attention_mask, query, key, module, is_causal) -> torch.Tensor:
+    """The call's mask narrowed to each query's listed keys (bool, or a float mask with -inf
+    at the unlisted ones); without a mask, the listed keys within causality when causal."""
+    B, _, Tq, _ = query.shape
+    Tk = key.shape[2]
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, Tq):
+        raise ValueError(f"indices must be (B, Tq, topk) = ({B}, {Tq}, topk), got "
+                         f"{tuple(indices.shape)}")  # fmt: skip
+    listed = torch.zeros(B, 1, Tq, Tk, dtype=torch.bool, device=query.device)
+    listed.scatter_(-1, indices.long().clamp(0, Tk - 1)[:, None], (indices >= 0)[:, None])
+    if attention_mask is None:
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if causal:  # bottom-right, as the call without a mask would be
+            rows = torch.arange(Tq, device=query.device)[:, None] + (Tk - Tq)
+            listed &= torch.arange(Tk, device=query.device)[None, :] <= rows
+        return listed
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & listed
+    return attention_mask.masked_fill(~listed, float("-inf"))
 
 
 def _padded_keys(attention_mask, key) -> torch.Tensor | None:
