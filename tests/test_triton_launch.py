@@ -287,3 +287,11 @@ def test_tensors_in_keywords_not_keyed_are_keyed_by_identity(fake_triton):
         triton_launch.launch(kernel, (1,), (_aligned(), 64),
                              dict(BLOCK=32, LISTS=_aligned(dtype=torch.int32)))  # fmt: skip
     assert _paths(kernel) == ["triton", "triton"]
+
+
+def test_a_per_call_keyword_the_cache_cannot_key_takes_tritons_path_every_time(fake_triton):
+    kernel = FakeJIT(keywords=True)
+    for _ in range(2):
+        triton_launch.launch(kernel, (1,), (_aligned(), 64), dict(BLOCK=32),
+                             dict(MOD_ARGS=(_aligned(), "not a scalar or tensor")))  # fmt: skip
+    assert _paths(kernel) == ["triton", "triton"]

@@ -117,7 +117,7 @@ def _keyword_key(value):
         return type(value), value
     if type(value) is tuple:
         return tuple(map(_keyword_key, value))
-    return _NEVER
+    return object()  # a key of its own: equal to no other call's
 
 
 def launch_key(entry, args, constexprs, device, knobs, per_call=None):
