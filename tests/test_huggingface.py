@@ -390,3 +390,23 @@ def test_nan_in_padded_tokens_never_reaches_the_real_ones(cls, config, side, bac
         got = poisoned(input_ids=ids, attention_mask=mask).logits[real][:, 1:]
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want)
+
+
+def test_deepseek_indices_become_the_listed_keys_within_the_mask():
+    """DeepSeek-V3.2's indices= as the hook reads them: -1 entries never hide a listed key (an
+    unused entry beside a real key 0), a bool mask narrowed, a float mask -inf elsewhere,
+    causality kept without a mask."""
+    q, k = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 5, 4)
+    idx = torch.tensor([[[0, -1, 3], [-1, 0, 4]]], dtype=torch.int32)
+    module = torch.nn.Module()
+    free = hf._selected_keys(idx, None, q, k, module, False)
+    assert free.int().tolist() == [[[[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]]]
+    causal = hf._selected_keys(idx, None, q, k, module, True)  # queries at 3, 4 (bottom-right)
+    assert causal.int().tolist() == [[[[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]]]
+    window = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    window[..., 0] = False
+    assert hf._selected_keys(idx, window, q, k, module, None).int().tolist() == [
+        [[[0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]]]  # fmt: skip
+    bias = torch.zeros(1, 1, 2, 5)
+    out = hf._selected_keys(idx, bias, q, k, module, None)
+    assert torch.isinf(out).sum() == 6 and out[0, 0, 0, 0] == 0

@@ -191,8 +191,10 @@ def _selected_keys(indices, attention_mask, query, key, module, is_causal) -> to
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, Tq):
         raise ValueError(f"indices must be (B, Tq, topk) = ({B}, {Tq}, topk), got "
                          f"{tuple(indices.shape)}")  # fmt: skip
-    listed = torch.zeros(B, 1, Tq, Tk, dtype=torch.bool, device=query.device)
-    listed.scatter_(-1, indices.long().clamp(0, Tk - 1)[:, None], (indices >= 0)[:, None])
+    # an unused entry (-1, or past the keys) lands in a spare column, never on a real key
+    at = torch.where((indices >= 0) & (indices < Tk), indices.long(), Tk)[:, None]
+    listed = torch.zeros(B, 1, Tq, Tk + 1, dtype=torch.bool, device=query.device)
+    listed = listed.scatter(-1, at, True)[..., :Tk]
     if attention_mask is None:
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         if causal:  # bottom-right, as the call without a mask would be
