@@ -115,18 +115,26 @@ def test_varlen_lse_gradient_matches_float64():
                         reference_op=reference.varlen_attention)  # fmt: skip
 
 
-def test_block_mask_lse_gradient_matches_float64():
+@pytest.mark.parametrize("with_mod", [False, True], ids=["block_mask", "block_mask+score_mod"])
+def test_block_mask_lse_gradient_matches_float64(with_mod):
+    """The lse's gradient through the block-sparse kernels, and through a score_mod's
+    derivative too (a bias and a tanh of the score)."""
     from fusedattn.masks import create_block_mask
 
     tensors, kwargs = _inputs("plain", torch.float32, torch.get_default_device())
     bm = create_block_mask(lambda b, h, i, j: (j <= i + 33) & ((i + j) % 3 != 0), None, None,
                            SHAPE.Tq, SHAPE.Tk, device=tensors["q"].device, BLOCK_SIZE=32)  # fmt: skip
     dense = bm.dense_mask()
+    mod = None
+    if with_mod:
+
+        def mod(s, b, h, i, j):
+            return 3.0 * torch.tanh(s / 3.0) + 0.01 * (i - j) + 0.1 * h
 
     def op(block_mask=None, backend=None, **kw):
         if backend is None:  # the reference (truth and baseline): the same mask, dense
-            return reference.attention(attn_mask=dense, **kw)
-        return fusedattn.attention(block_mask=block_mask, backend=backend, **kw)
+            return reference.attention(attn_mask=dense, score_mod=mod, **kw)
+        return fusedattn.attention(block_mask=block_mask, score_mod=mod, backend=backend, **kw)
 
     assert_lse_grads_kx(op, tensors, dict(kwargs, block_mask=bm, backend="triton"),
                         reference_op=op)  # fmt: skip
