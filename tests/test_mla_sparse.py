@@ -28,7 +28,7 @@ def _device():
 
 def make_case(B=2, Tq=1, Hq=4, topk=20, page=16, lengths=(50, 37), seed=0, dtype=torch.float32):
     """(q, cache, block_table or None, cache_seqlens, indices): a cache whose listed rows are
-    random and every other slot NaN; indices drawn from each sequence's keys (a paged cache:
+    random and every other slot NaN or inf; indices drawn from each sequence's keys (a paged cache:
     their slots), a few -1 and a duplicate."""
     g = torch.Generator().manual_seed(seed)
     lengths = list(lengths)[:B]
@@ -52,6 +52,7 @@ def make_case(B=2, Tq=1, Hq=4, topk=20, page=16, lengths=(50, 37), seed=0, dtype
         slots = torch.where(listed, table.long().gather(
             1, (indices.clamp(min=0) // page).view(B, -1)).view(B, Tq, topk) * page
             + indices % page, -1).int()  # fmt: skip
+    cache.view(-1, D)[::2] = float("inf")  # every unlisted slot NaN or inf
     rows = cache.view(-1, D) if page else None
     for b in range(B):  # only the listed rows hold numbers
         for s in slots[b][slots[b] >= 0].unique().tolist():
@@ -125,7 +126,7 @@ def check(backend, case, **kw):
     out, lse = run(backend, q, cache, table, seqlens, slots, **kw)
     want, want_lse = brute_force(q, cache, table, seqlens, slots, **kw)
     base, _ = run("reference", q, cache, table, seqlens, slots, **kw)
-    assert torch.isfinite(out).all(), "a NaN in an unlisted slot reached the output"
+    assert torch.isfinite(out).all(), "a NaN or inf in an unlisted slot reached the output"
     assert_close_kx(out, want.to(out.device), base, name="out")
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse).cpu(), finite)
