@@ -101,6 +101,25 @@ def build_rows(env, device, T=131072) -> list[dict]:
     return rows
 
 
+def time_impls(impls: dict, qkv, mode: str, device, name: str) -> dict:
+    """{impl: median ms} of each impl(leaves) on fresh leaves of q, k, v (fwd+bwd: with the
+    backward of ones); an impl that raises (a compile failure) is reported and left out."""
+    leaves = [t.detach().requires_grad_(mode != "fwd") for t in qkv]
+    times = {}
+    for impl, fn in impls.items():
+
+        def call(fn=fn):
+            out = fn(leaves)
+            if mode != "fwd":
+                out.backward(torch.ones_like(out))
+
+        try:
+            times[impl] = harness.time_ms(call, device=device)
+        except Exception as exc:  # a compile failure reads as the impl refusing the case
+            print(f"  {impl} {name} {mode}: {type(exc).__name__}: {str(exc)[:200]}")
+    return times
+
+
 def attention_rows(env, device, T: int) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask as torch_create
     from torch.nn.attention.flex_attention import flex_attention
@@ -133,21 +152,12 @@ def attention_rows(env, device, T: int) -> list[dict]:
             impls["fusedattn-causal"] = lambda leaves: fusedattn.attention(*leaves, is_causal=True)
         visible = ours.dense_mask().sum().item() if T <= 16384 else None
         for mode in ("fwd", "fwd+bwd"):
-            leaves = [t.detach().requires_grad_(mode != "fwd") for t in (q, k, v)]
-            times = {}
-            for impl, fn in impls.items():
-
-                def call(fn=fn, leaves=leaves, mode=mode):
-                    out = fn(leaves)
-                    if mode != "fwd":
-                        out.backward(torch.ones_like(out))
-
-                times[impl] = harness.time_ms(call, device=device)
+            times = time_impls(impls, (q, k, v), mode, device, name)
             for impl, ms in times.items():
                 flops = None
                 if visible is not None:  # the FLOPs of the visible scores only
                     flops = 4.0 * H * visible * D * {"fwd": 1.0, "fwd+bwd": 3.5}[mode]
-                note = f"{times['flex'] / ms:.2f}x flex"
+                note = f"{times['flex'] / ms:.2f}x flex" if "flex" in times else "flex failed"
                 if impl == "fusedattn" and "fusedattn-varlen" in times:
                     note += f"; {times['fusedattn-varlen'] / ms:.2f}x varlen"
                 if impl == "fusedattn" and "fusedattn-causal" in times:
@@ -210,19 +220,7 @@ def score_mod_rows(env, device, T: int, B: int = 2) -> list[dict]:
             impls["fusedattn-builtin"] = lambda x, kw=builtin: fusedattn.attention(
                 *x, is_causal=True, **kw)  # fmt: skip
         for mode in ("fwd", "fwd+bwd"):
-            leaves = [t.detach().requires_grad_(mode != "fwd") for t in (q, k, v)]
-            times = {}
-            for impl, fn in impls.items():
-
-                def call(fn=fn, leaves=leaves, mode=mode):
-                    out = fn(leaves)
-                    if mode != "fwd":
-                        out.backward(torch.ones_like(out))
-
-                try:
-                    times[impl] = harness.time_ms(call, device=device)
-                except Exception as exc:  # a compile failure reads as the impl refusing
-                    print(f"  {impl} {name} {mode}: {type(exc).__name__}: {str(exc)[:200]}")
+            times = time_impls(impls, (q, k, v), mode, device, name)
             flops = harness.attention_flops(B, H, T, T, D, causal=True, mode=mode)
             for impl, ms in times.items():
                 notes = [f"{times[other] / ms:.2f}x {other}" for other in ("flex", "fusedattn-builtin")
@@ -295,9 +293,6 @@ def cpu_rows(env, device) -> list[dict]:
     return rows
 
 
-PART = "all"  # --part: "masks" (issue #71's rows), "mods" (issue #84's), or both
-
-
 def _roomy_dynamo_cache() -> None:
     """One compiled flex_attention serves every mask and mod here: Dynamo's per-code cache
     (8 entries by default) would make later ones fall back to Flex's eager path, which
@@ -309,16 +304,17 @@ def _roomy_dynamo_cache() -> None:
             setattr(torch._dynamo.config, name, 64)
 
 
-def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
+def run(quick: bool, device: torch.device, env: dict, part: str = "all") -> list[dict]:
+    """part: "masks" (issue #71's rows), "mods" (issue #84's), or both."""
     if device.type != "cuda":
         return cpu_rows(env, device) + ([] if quick else build_rows(env, device))
     _roomy_dynamo_cache()
     rows = []
-    if PART in ("all", "masks"):
+    if part in ("all", "masks"):
         rows += build_rows(env, device)
         for T in (8192,) if quick else (8192, 16384, 32768):
             rows += attention_rows(env, device, T)
-    if PART in ("all", "mods"):
+    if part in ("all", "mods"):
         rows += first_call_rows(env, device)
         for T in (8192,) if quick else (4096, 16384):
             rows += score_mod_rows(env, device, T)
@@ -326,15 +322,5 @@ def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
 
 
 if __name__ == "__main__":
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--part", choices=("all", "masks", "mods"), default="all")
-    known, rest = parser.parse_known_args()
-    PART = known.part
-    if "-h" in rest or "--help" in rest:
-        print("--part {all,masks,mods}: the block-mask rows (flex.csv), the score_mod rows "
-              "(flex_score_mod.csv), or both (flex.csv)")  # fmt: skip
-    harness.cli(run, "flex_score_mod.csv" if PART == "mods" else "flex.csv", argv=rest)
-    sys.exit(0)
+    harness.cli(run, "flex.csv", parts={"all": "flex.csv", "masks": "flex.csv",
+                                        "mods": "flex_score_mod.csv"})  # fmt: skip

@@ -188,23 +188,12 @@ def cpu_rows(env, device) -> list[dict]:
     return rows
 
 
-PART = "dense"  # --part: "dense" (issue #83's grid) or "sparse" (issue #85's)
-
-
-def run(quick: bool, device: torch.device, env: dict) -> list[dict]:
+def run(quick: bool, device: torch.device, env: dict, part: str = "dense") -> list[dict]:
+    """part: "dense" (issue #83's grid) or "sparse" (issue #85's)."""
     if device.type != "cuda":
         return cpu_rows(env, device)
-    return sparse_rows(env, device, quick) if PART == "sparse" else gpu_rows(env, device, quick)
+    return sparse_rows(env, device, quick) if part == "sparse" else gpu_rows(env, device, quick)
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--part", choices=("dense", "sparse"), default="dense")
-    known, rest = parser.parse_known_args()
-    PART = known.part
-    if "-h" in rest or "--help" in rest:
-        print("--part {dense,sparse}: the dense decode grid (mla.csv) or DeepSeek sparse "
-              "attention's decode and prefill (mla_sparse.csv)")  # fmt: skip
-    harness.cli(run, "mla_sparse.csv" if PART == "sparse" else "mla.csv", argv=rest)
+    harness.cli(run, "mla.csv", parts={"dense": "mla.csv", "sparse": "mla_sparse.csv"})

@@ -423,20 +423,26 @@ def warm_in_parallel(module: str, n_cases: int, quick: bool, device: torch.devic
           f"on {min(jobs, n_cases)} processes", flush=True)  # fmt: skip
 
 
-def cli(run: Callable, csv_name: str, argv=None) -> None:
-    """The command line of every bench_*.py: [--quick] [--out DIR]."""
+def cli(run: Callable, csv_name: str, argv=None, parts: dict[str, str] | None = None) -> None:
+    """The command line of every bench_*.py: [--quick] [--out DIR]; with parts ({part: CSV
+    name}, the first the default) also --part, handed to run as part= and naming the CSV."""
     import argparse
 
     parser = argparse.ArgumentParser(description=f"writes {csv_name}")
     parser.add_argument("--quick", action="store_true", help="small, CPU-friendly sizes")
     parser.add_argument("--out", type=Path, default=None, help="results folder")
+    if parts:
+        parser.add_argument("--part", choices=tuple(parts), default=next(iter(parts)),
+                            help="which rows: " + ", ".join(f"{p} ({c})" for p, c in parts.items()))  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     new_run()
     env = environment()
     out = args.out or REPO / "benchmarks" / "results" / device_slug(env)
+    if parts:
+        csv_name = parts[args.part]
     stream_to(out / csv_name)
-    rows = run(args.quick, device, env)
+    rows = run(args.quick, device, env, **({"part": args.part} if parts else {}))
     stream_to(None)
     print(f"wrote {write_csv(rows, out / csv_name)}")
 
