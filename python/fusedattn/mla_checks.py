@@ -259,9 +259,8 @@ def check_slot_values(slots, seqlens_k, block_table, kv_cache) -> None:
     paged cache's slot below num_pages x page_size, a contiguous cache's position below its
     sequence's length (cache_seqlens + the appended keys)."""
     if block_table is not None:
-        slots_held = kv_cache.shape[0] * kv_cache.shape[1]
-        limit = torch.full_like(slots[:, :1, :1], slots_held)
-        what = f"the cache's {slots_held} slots (num_pages x page_size)"
+        limit = kv_cache.shape[0] * kv_cache.shape[1]
+        what = f"the cache's {limit} slots (num_pages x page_size)"
     else:
         limit = seqlens_k.to(slots.dtype).view(-1, 1, 1)
         what = "its sequence's length (cache_seqlens + the appended keys)"

@@ -147,7 +147,7 @@ def fold(op: str, a, b=None):
         if isinstance(a, bool) and isinstance(b, bool):
             return {"and": a and b, "or": a or b, "xor": a != b}[op]
         return {"and": a & b, "or": a | b, "xor": a ^ b}[op]
-    raise NotImplementedError(op)
+    raise AssertionError(f"fold: no rule for {op!r} (every binary op the tracer records has one)")
 
 
 def topological(output: Node) -> list[Node]:
