@@ -133,6 +133,12 @@ def flex_call(attend, table, mask, **kw):
 FLEX_CASES = [("zigzag", "reference", "float32"), ("contiguous", "triton", "float32")]
 
 
+def flex_cases(world):
+    """The kernels' case at W = 2 only (the interpreter's time); the reference's at every W
+    (the head offsets 3, 6, 9 at W = 4)."""
+    return FLEX_CASES if world == 2 else FLEX_CASES[:1]
+
+
 def run_flex(cp, layout, backend, dtype):
     """This rank's Ulysses call with the block mask and the score_mod; the whole sequence's
     out, dq, dk, dv and the table's gradient (each rank's heads' part, summed) back."""
@@ -171,7 +177,7 @@ def ulysses_worker(rank, world):
     from fusedattn import distributed as cp
 
     dense = [run_ulysses(cp, *case) for case in CASES]
-    return dense, varlen_worker(rank, world), [run_flex(cp, *case) for case in FLEX_CASES]
+    return dense, varlen_worker(rank, world), [run_flex(cp, *case) for case in flex_cases(world)]
 
 
 def check(case, got):
@@ -193,7 +199,7 @@ def test_ulysses_equals_attention_on_the_whole_sequence(world):
     dense, packed = results[0][0], [r[1] for r in results]
     for case, got in zip(CASES, dense, strict=True):
         check(case, got)
-    for case, got in zip(FLEX_CASES, results[0][2], strict=True):
+    for case, got in zip(flex_cases(world), results[0][2], strict=True):
         want, base = flex_truth(case[2], torch.float64), flex_truth(case[2], torch.float32)
         for name, a, r, b in zip(("out", "dq", "dk", "dv", "d_table"), got, want, base,
                                  strict=True):  # fmt: skip
