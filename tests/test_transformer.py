@@ -99,7 +99,7 @@ def test_seq2seq_learns_to_reverse_digits_on_cpu():
         )
     )  # fmt: skip
     start = time.perf_counter()
-    losses = tasks.train_reversal(model, steps=700)
+    losses = tasks.train_reversal(model, steps=400)
     seconds = time.perf_counter() - start
     final = sum(losses[-20:]) / 20
     assert final < 0.01, f"final loss {final:.4f} (first {losses[0]:.2f}) after {seconds:.0f}s"
