@@ -20,7 +20,7 @@ the CPU MLA prefill backends (CPU, ZEN_CPU) at the prefill backend, so no MLA la
 vLLM's own attention. FUSEDATTN_VLLM_BACKEND picks fusedattn's backend as for the dense layers.
 Refused when the engine starts (a ValueError naming it): ALiBi, sliding windows, softcap,
 encoder layers, shared KV layers, cache dtypes other than auto / float16 / bfloat16 / fp8 /
-fp8_e4m3 / fp8_e5m2 (fp8_ds_mla: the sparse format of issue #85).
+fp8_e4m3 / fp8_e5m2 (fp8_ds_mla: the sparse backend, FUSEDATTN_MLA_SPARSE in vllm_mla_sparse.py).
 """
 
 from __future__ import annotations
@@ -50,16 +50,20 @@ from .vllm_common import FP8_CACHE_DTYPES, chosen_backend, invariance_requested
 NAME = "FUSEDATTN_MLA"
 CLASS_PATH = f"{__name__}.FusedMLABackend"
 PREFILL_PATH = f"{__name__}.FusedMLAPrefillBackend"
+# DeepSeek sparse attention's backend (vllm_mla_sparse.py, imported by vLLM when selected)
+SPARSE_NAME = "FUSEDATTN_MLA_SPARSE"
+SPARSE_PATH = f"{__package__}.vllm_mla_sparse.FusedMLASparseBackend"
 CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)
 
 
 def register() -> None:
-    """`FUSEDATTN_MLA` (a backend name of its own) and the CUSTOM MLA prefill slot name
-    fusedattn; does nothing else until asked (enable)."""
-    if NAME in AttentionBackendEnum.__members__:
-        register_backend(AttentionBackendEnum[NAME], CLASS_PATH)
-    else:
-        register_backend(NAME, CLASS_PATH)
+    """`FUSEDATTN_MLA` and `FUSEDATTN_MLA_SPARSE` (backend names of their own) and the CUSTOM
+    MLA prefill slot name fusedattn; does nothing else until asked (enable)."""
+    for name, path in ((NAME, CLASS_PATH), (SPARSE_NAME, SPARSE_PATH)):
+        if name in AttentionBackendEnum.__members__:
+            register_backend(AttentionBackendEnum[name], path)
+        else:
+            register_backend(name, path)
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, PREFILL_PATH)
 
 
@@ -198,20 +202,25 @@ class FusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
         skipped); an fp8 cache takes x / k_scale rounded and saturating."""
         if kv_cache.numel() == 0:
             return
-        rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
+        slots, rows = new_rows(kv_c_normed, k_pe, slot_mapping)
         flat = kv_cache.view(-1, rows.shape[-1])
-        slots = slot_mapping.flatten().to(torch.long)
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, rows = slots[keep], rows[: keep.shape[0]][keep]
-        else:
-            rows = rows[: slots.shape[0]]
         if self.fp8_dtype is not None:
             values = quantize(rows, k_scale.to(rows.device, torch.float32).reshape(1),
                               self.fp8_dtype)  # fmt: skip
             flat.view(torch.uint8)[slots] = values.view(torch.uint8)
         else:
             flat[slots] = rows.to(flat.dtype)
+
+
+def new_rows(kv_c_normed, k_pe, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, rows): each new token's cache row (its latent then its rope part) and slot,
+    padding slots (< 0) left out (a boolean index: a sync on a GPU where any is padding)."""
+    rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
+    slots = slot_mapping.flatten().to(torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        return slots[keep], rows[: keep.shape[0]][keep]
+    return slots, rows[: slots.shape[0]]
 
 
 class FusedMLAPrefillBackend(MLAPrefillBackend):
