@@ -136,27 +136,29 @@ def test_import_touches_neither_triton_nor_cuda():
 
 
 def test_info_cli_reports_versions_extension_and_backends():
+    """`python -m fusedattn.info` as a user runs it (one process), then its --json and
+    --extension answers through main() in this one (each process a torch import)."""
+    import contextlib
+    import io
+
+    from fusedattn import info
+
     text = subprocess.run(
         [sys.executable, "-m", "fusedattn.info"], capture_output=True, text=True, check=True
     ).stdout
     assert f"fusedattn {fusedattn.__version__}" in text
     assert f"torch {torch.__version__}" in text
     assert "fusedattn._C:" in text and "attention:" in text
-    data = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "fusedattn.info", "--json"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+
+    def answer(*argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert info.main(list(argv)) in (0, None)
+        return out.getvalue()
+
+    data = json.loads(answer("--json"))
     assert data["torch"] == torch.__version__
-    line = subprocess.run(
-        [sys.executable, "-m", "fusedattn.info", "--extension"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    line = answer("--extension")
     assert line.startswith("fusedattn._C: ") and line.count("\n") == 1
     assert "reference" in data["available_backends"]
 

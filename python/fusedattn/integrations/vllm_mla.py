@@ -214,7 +214,8 @@ class FusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
 
 def new_rows(kv_c_normed, k_pe, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots, rows): each new token's cache row (its latent then its rope part) and slot,
-    padding slots (< 0) left out (a boolean index: a sync on a GPU where any is padding)."""
+    padding slots (< 0) left out: `bool(keep.all())` is a sync on a GPU, as the boolean index
+    where a slot is padding."""
     rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
     slots = slot_mapping.flatten().to(torch.long)
     keep = slots >= 0
