@@ -85,8 +85,8 @@ vllm-env:
 
 # Two workers: the engines' steps are single-threaded Python, the main suite is done by then
 # (1 min 42 s against 3 min 31 s in one process, 2026-11-29); an environment built before
-# pytest-xdist was pinned runs in one. With work stealing: 118 -> 83-89 s (2026-12-02, three
-# runs each way on the 2-core machine).
+# pytest-xdist was pinned runs in one. With work stealing: 83-89 s in three runs against 118-134 s
+# in two without (2026-12-02, the 2-core machine).
 test-vllm: vllm-env
 	@$(if $(X86),workers=$$($(VLLM_PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist worksteal"); \
 	  $(VLLM_PYTHON) -m pytest -q -p no:cacheprovider $$workers tests/vllm_serving,echo "test-vllm: not run on $(shell uname -m)")
