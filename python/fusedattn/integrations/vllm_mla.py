@@ -89,11 +89,52 @@ def disable() -> None:
     selector._auto_select_mla_prefill_backend.cache_clear()
 
 
-class FusedMLABackend(MLACommonBackend):
+class LatentBackendTraits:
+    """What fusedattn's two MLA backends (this dense one, vllm_mla_sparse's) declare alike."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]  # any page size from 1
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return True
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True  # keys split at fixed positions (entries) under fusedattn.batch_invariant
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True  # wherever Triton runs (the CUDA C++ backend has no MLA kernel)
+
+
+def layer_refusals(alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name,
+                   kv_cache_dtype, cache_dtypes) -> tuple[list[str], str]:  # fmt: skip
+    """(what an MLA layer asks that fusedattn's MLA backends do not serve, the fusedattn
+    backend the calls take); vLLM's batch-invariant mode turns fusedattn's switch on."""
+    refuse = [name for name, value in (("alibi_slopes", alibi_slopes),
+                                       ("sliding_window", sliding_window),
+                                       ("logits_soft_cap", logits_soft_cap),
+                                       ("kv_sharing_target_layer_name",
+                                        kv_sharing_target_layer_name)) if value]  # fmt: skip
+    if kv_cache_dtype not in cache_dtypes:
+        refuse.append(f"kv_cache_dtype={kv_cache_dtype!r} (reads {', '.join(cache_dtypes)})")
+    backend = chosen_backend()
+    if invariance_requested():
+        if backend in ("torch", "cuda"):
+            refuse.append(f"VLLM_BATCH_INVARIANT=1 with FUSEDATTN_VLLM_BACKEND={backend}")
+        else:
+            fusedattn.batch_invariant(True)
+    return refuse, backend
+
+
+class FusedMLABackend(LatentBackendTraits, MLACommonBackend):
     """vLLM's view of fusedattn's MLA decode: what it takes, and the impl that serves it (the
     metadata builder is vLLM's MLACommonMetadataBuilder)."""
 
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
 
     @staticmethod
@@ -108,22 +149,6 @@ class FusedMLABackend(MLACommonBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return []  # any latent + rope width the kernels take (their checks name the rest)
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]  # any page size from 1
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return True
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return True  # splits at fixed key positions under fusedattn.batch_invariant
-
-    @classmethod
-    def supports_compute_capability(cls, capability) -> bool:
-        return True  # wherever Triton runs (the CUDA C++ backend has no MLA kernel)
-
 
 class FusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
     """forward_mqa (decode over the latent cache) and the cache update on fusedattn; the
@@ -134,21 +159,11 @@ class FusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
                  **mla_args):  # fmt: skip
-        refuse = [name for name, value in (("alibi_slopes", alibi_slopes),
-                                           ("sliding_window", sliding_window),
-                                           ("logits_soft_cap", logits_soft_cap),
-                                           ("kv_sharing_target_layer_name",
-                                            kv_sharing_target_layer_name)) if value]  # fmt: skip
+        refuse, backend = layer_refusals(alibi_slopes, sliding_window, logits_soft_cap,
+                                         kv_sharing_target_layer_name, kv_cache_dtype,
+                                         CACHE_DTYPES)  # fmt: skip
         if attn_type != AttentionType.DECODER:
             refuse.append(f"attn_type={attn_type!r} (decoder self-attention only)")
-        if kv_cache_dtype not in CACHE_DTYPES:
-            refuse.append(f"kv_cache_dtype={kv_cache_dtype!r} (reads {', '.join(CACHE_DTYPES)})")
-        backend = chosen_backend()
-        if invariance_requested():
-            if backend in ("torch", "cuda"):
-                refuse.append(f"VLLM_BATCH_INVARIANT=1 with FUSEDATTN_VLLM_BACKEND={backend}")
-            else:
-                fusedattn.batch_invariant(True)
         if refuse:
             raise ValueError("fusedattn's vLLM MLA backend cannot serve this layer: "
                              + "; ".join(refuse))  # fmt: skip

@@ -39,13 +39,12 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonMetadata,
     SparseMLACommonMetadataBuilder,
 )
-from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+from vllm.v1.attention.backend import AttentionBackend
 
 import fusedattn
 from fusedattn.fp8 import MLA_DS_BYTES, quantize_mla_ds
 
-from .vllm_common import chosen_backend, invariance_requested
-from .vllm_mla import SPARSE_NAME, new_rows
+from .vllm_mla import SPARSE_NAME, LatentBackendTraits, layer_refusals, new_rows
 
 CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8_ds_mla")
 
@@ -78,11 +77,10 @@ def write_rows(kv_c_normed, k_pe, kv_cache, slot_mapping, ds_format: bool) -> No
         kv_cache.view(-1, rows.shape[-1])[slots] = rows.to(kv_cache.dtype)
 
 
-class FusedMLASparseBackend(AttentionBackend):
+class FusedMLASparseBackend(LatentBackendTraits, AttentionBackend):
     """vLLM's view of fusedattn's sparse MLA decode: what it takes, its metadata builder
     (SparseMLACommonMetadataBuilder) and the impl."""
 
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
 
     @staticmethod
@@ -101,14 +99,6 @@ class FusedMLASparseBackend(AttentionBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return [576]  # 512 latent + 64 rope: the fp8_ds_mla rows' dims, and DeepSeek-V3.2's
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]  # any page size from 1: the slots are computed per token
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return True
-
     @classmethod
     def is_mla(cls) -> bool:
         return True
@@ -116,14 +106,6 @@ class FusedMLASparseBackend(AttentionBackend):
     @classmethod
     def is_sparse(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return True  # a token's keys are split at fixed entries under fusedattn.batch_invariant
-
-    @classmethod
-    def supports_compute_capability(cls, capability) -> bool:
-        return True  # wherever Triton runs (Ampere, Ada, Hopper, Blackwell)
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
@@ -161,24 +143,14 @@ class FusedMLASparseImpl(SparseMLACommonImpl[FusedMLASparseMetadata]):
                  **mla_args):  # fmt: skip
         from vllm.config import get_current_vllm_config_or_none
 
-        refuse = [name for name, value in (("alibi_slopes", alibi_slopes),
-                                           ("sliding_window", sliding_window),
-                                           ("logits_soft_cap", logits_soft_cap),
-                                           ("kv_sharing_target_layer_name",
-                                            kv_sharing_target_layer_name)) if value]  # fmt: skip
-        if kv_cache_dtype not in CACHE_DTYPES:
-            refuse.append(f"kv_cache_dtype={kv_cache_dtype!r} (reads {', '.join(CACHE_DTYPES)})")
+        refuse, backend = layer_refusals(alibi_slopes, sliding_window, logits_soft_cap,
+                                         kv_sharing_target_layer_name, kv_cache_dtype,
+                                         CACHE_DTYPES)  # fmt: skip
         config = get_current_vllm_config_or_none()
         if config is not None and config.attention_config.hisparse_config is not None:
             refuse.append("hisparse_config (a host-offloaded cache)")
         if config is not None and config.parallel_config.decode_context_parallel_size > 1:
             refuse.append("decode_context_parallel_size > 1")
-        backend = chosen_backend()
-        if invariance_requested():
-            if backend in ("torch", "cuda"):
-                refuse.append(f"VLLM_BATCH_INVARIANT=1 with FUSEDATTN_VLLM_BACKEND={backend}")
-            else:
-                fusedattn.batch_invariant(True)
         if refuse:
             raise ValueError("fusedattn's vLLM sparse MLA backend cannot serve this layer: "
                              + "; ".join(refuse))  # fmt: skip
