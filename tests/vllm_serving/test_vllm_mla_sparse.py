@@ -115,7 +115,7 @@ def expected(q_nope, q_pe, cache_rows, slots, scale):
 def test_forward_mqa_attends_to_exactly_the_listed_keys(monkeypatch, backend, ds_format):
     """Three requests (two decodes, a three-token prefill run as MQA) over a 16-row paged
     cache with shuffled block tables; each token's top-k positions (request positions, some
-    -1, some repeated) from the layer's buffer; NaN in every unlisted row of a 32-bit cache."""
+    -1, some repeated) from the layer's buffer; NaN in every unlisted row."""
     monkeypatch.setenv(fused_vllm.BACKEND_ENV, backend)
     g = torch.Generator().manual_seed(2)
     block_size, heads, topk = 16, 4, 7
@@ -135,10 +135,12 @@ def test_forward_mqa_attends_to_exactly_the_listed_keys(monkeypatch, backend, ds
         buffer[t, : topk - 2] = chosen
         buffer[t, topk - 2] = chosen[0]  # a duplicate counts once
     slots = brute_slots(req_id, table, buffer[:5], block_size)
-    if not ds_format:  # an unlisted row must never be read
-        unlisted = torch.ones(cache.view(-1, L + P).shape[0], dtype=torch.bool)
-        unlisted[slots[slots >= 0].long()] = False
-        cache.view(-1, L + P)[unlisted] = float("nan")
+    # an unlisted row must never be read: NaN in a 32-bit row; in a 656-byte row every byte
+    # 0xFF (NaN as e4m3 values, as float32 scales and as bfloat16 rope values)
+    flat = cache.view(-1, cache.shape[-1])
+    unlisted = torch.ones(flat.shape[0], dtype=torch.bool)
+    unlisted[slots[slots >= 0].long()] = False
+    flat[unlisted] = 0xFF if ds_format else float("nan")
     impl = object.__new__(vllm_mla_sparse.FusedMLASparseImpl)
     impl.kv_lora_rank, impl.scale, impl.backend = L, (L + P) ** -0.5, backend
     impl.topk_indices_buffer = buffer
