@@ -213,9 +213,9 @@ def test_fusedattns_launchers_pass_tensors_then_scalars(monkeypatch):
 
     seen = []
 
-    def record(kernel, grid, args, constexprs):
+    def record(kernel, grid, args, constexprs, per_call=None):
         seen.append((getattr(kernel, "__name__", repr(kernel)), triton_launch.tensor_prefix(args)))
-        return real(kernel, grid, args, constexprs)
+        return real(kernel, grid, args, constexprs, per_call)
 
     real = triton_launch.launch
     monkeypatch.setattr(triton_launch, "launch", record)
@@ -295,3 +295,29 @@ def test_a_per_call_keyword_the_cache_cannot_key_takes_tritons_path_every_time(f
         triton_launch.launch(kernel, (1,), (_aligned(), 64), dict(BLOCK=32),
                              dict(MOD_ARGS=(_aligned(), "not a scalar or tensor")))  # fmt: skip
     assert _paths(kernel) == ["triton", "triton"]
+
+
+def test_a_prepared_launch_puts_each_calls_keyword_values_in_their_places(fake_triton):
+    """prepare(per_call=) keeps none of the first call's keyword tensors; with_values hands
+    the compiled kernel this call's, in their parameters' places (without the cache, through
+    launch with them as keywords)."""
+    kernel = FakeJIT(keywords=True)
+    lists, table = _aligned(dtype=torch.int32), _aligned(dtype=torch.float32)
+    prepared = triton_launch.prepare(kernel, (2,), (_aligned(), 64), dict(BLOCK=32),
+                                     dict(LISTS=lists, MOD_ARGS=(table, 64, 1)))  # fmt: skip
+    assert prepared.names == ("LISTS", "MOD_ARGS")
+    assert not any(a is lists or type(a) is tuple for a in prepared.rest)
+    x, lists2, table2 = _aligned(), _aligned(dtype=torch.int32), _aligned(dtype=torch.float32)
+    prepared.with_values((x,), (lists2, (table2, 64, 1)))
+    path, _, grid, args = kernel.log[-1]
+    assert path == "fast" and grid == (2, 1, 1)
+    assert args[0] is x and args[1] == 64 and args[2] == 32
+    assert args[3] is lists2 and args[4][0] is table2
+    triton_launch.ENABLED = False  # (monkeypatched back by the fixture)
+    uncached = FakeJIT(keywords=True)
+    prepared = triton_launch.prepare(uncached, (2,), (_aligned(), 64), dict(BLOCK=32),
+                                     dict(LISTS=lists, MOD_ARGS=(table, 64, 1)))  # fmt: skip
+    prepared.with_values((x,), (lists2, (table2, 64, 1)))
+    path, _, args, constexprs = uncached.log[-1]
+    assert path == "triton" and args[0] is x
+    assert constexprs["LISTS"] is lists2 and constexprs["MOD_ARGS"][0] is table2

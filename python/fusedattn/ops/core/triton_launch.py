@@ -236,14 +236,22 @@ class Prepared:
     shapes, strides, dtypes, devices, 16-byte alignment and every scalar): a call hands its
     tensors straight to the compiled kernel's launcher, with no binding and no key of its own
     (2.6 µs on the CPU machine against 8.9 through `launch`). Where `launch` could not cache
-    the kernel (the interpreter, hooks, a grid function) it goes through `launch` each time."""
+    the kernel (the interpreter, hooks, a grid function) it goes through `launch` each time.
 
-    __slots__ = ("constexprs", "grid", "kernel", "launcher", "rest", "runner", "scalars")
+    A launch with per-call keywords (`prepare(per_call=)`: a block mask's lists, a score_mod's
+    captures) is repeated by `with_values`, which puts each call's values in their places
+    among the compiled kernel's parameters (`names` says which, in order); the caller's key
+    must fix what Triton specialises them on (dtype, alignment, a capture's sizes and
+    strides), as it fixes the tensors'."""
+
+    __slots__ = ("constexprs", "grid", "kernel", "launcher", "names", "places", "rest",
+                 "runner", "scalars")  # fmt: skip
 
     def __init__(self, kernel, grid, scalars: tuple, constexprs: dict, runner, rest,
-                 launcher=None):  # fmt: skip
+                 launcher=None, names: tuple = (), places: tuple = ()):  # fmt: skip
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, grid, scalars, constexprs
         self.runner, self.rest, self.launcher = runner, rest, launcher
+        self.names, self.places = names, places
 
     def __call__(self, *tensors) -> None:
         launcher = self.launcher
@@ -256,6 +264,24 @@ class Prepared:
             self.runner(*tensors, *self.rest)
         else:
             launch(self.kernel, self.grid, (*tensors, *self.scalars), self.constexprs)
+
+    def with_values(self, tensors: tuple, values: tuple) -> None:
+        """The launch for these tensors with this call's per-call keywords (values in the
+        order of `names`)."""
+        if self.runner is None:
+            per_call = dict(zip(self.names, values, strict=True))
+            launch(self.kernel, self.grid, (*tensors, *self.scalars), self.constexprs, per_call)
+            return
+        rest = list(self.rest)
+        for place, value in zip(self.places, values, strict=True):
+            rest[place] = value
+        launcher = self.launcher
+        if launcher is not None:
+            hooks = _triton[2].runtime
+            if not _active(hooks.launch_enter_hook) and not _active(hooks.launch_exit_hook):
+                launcher(*tensors, *rest)
+                return
+        self.runner(*tensors, *rest)
 
 
 def _active(hook) -> bool:
@@ -283,30 +309,35 @@ def _direct_launcher(compiled, grid, device):
     return launcher
 
 
-def prepare(kernel, grid, args: tuple, constexprs: dict) -> Prepared:
-    """Launch kernel[grid](*args, **constexprs) now (through `launch`) and return a Prepared
-    that repeats it for new tensors in the same leading positions (args: tensors, then
-    scalars, as for `launch`)."""
+def prepare(kernel, grid, args: tuple, constexprs: dict, per_call: dict | None = None) -> Prepared:
+    """Launch kernel[grid](*args, **constexprs, **per_call) now (through `launch`) and return a
+    Prepared that repeats it for new tensors in the same leading positions (args: tensors,
+    then scalars, as for `launch`) and, with per_call, new values of those keywords
+    (`Prepared.with_values`; constexprs must not hold them: the Prepared keeps no call's
+    tensors)."""
     n = tensor_prefix(args)
     if n < 0:
         raise ValueError("prepare() needs the tensor arguments first, then Python scalars")
-    launch(kernel, grid, args, constexprs)
+    launch(kernel, grid, args, constexprs, per_call)
+    names = tuple(per_call or ())
     entry = _launches.get(id(kernel))
-    runner = rest = None
+    runner = rest = launcher = None
+    places: tuple = ()
     if entry is not None and entry.tensors == n and not callable(grid) and _triton is not None:
         _, _, knobs, driver = _triton
-        key = launch_key(entry, args, constexprs, driver.active.get_current_device(), knobs)
+        device = driver.active.get_current_device()
+        key = launch_key(entry, args, constexprs, device, knobs, per_call)
         try:
             hit = entry.compiled.get(key)
         except TypeError:
             hit = None
-        launcher = None
         if hit is not None:
             compiled, tail = hit
             size = len(grid)
             full_grid = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
             runner = compiled[full_grid]
-            rest = (*args[n:], *tail)
-            launcher = _direct_launcher(compiled, full_grid, driver.active.get_current_device())
-        return Prepared(kernel, grid, args[n:], constexprs, runner, rest, launcher)
-    return Prepared(kernel, grid, args[n:], constexprs, runner, rest)
+            rest = (*args[n:], *tail)  # the per-call places hold None (launch keeps no call's)
+            if per_call:
+                places = tuple(len(args) - n + i for i, _ in _slots(entry, len(args), per_call))
+            launcher = _direct_launcher(compiled, full_grid, device)
+    return Prepared(kernel, grid, args[n:], constexprs, runner, rest, launcher, names, places)
