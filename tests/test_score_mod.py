@@ -528,6 +528,19 @@ def test_the_walk_costs_no_trace_for_a_cached_structure():
     assert "load" in first.name and "table" not in first.name  # no values, no names in the key
 
 
+def test_a_capture_whose_offsets_pass_2_to_the_31_is_told_apart():
+    """wide_offsets (int64 index math in the generated loads): an element offset of the
+    capture, or of its contiguous float32 gradient buffer, past 2^31 - 1. Meta tensors: the
+    sizes without the memory."""
+    from fusedattn.score_mod.captures import wide_offsets
+
+    big = torch.empty(2**32, dtype=torch.int8, device="meta")
+    assert not wide_offsets(torch.randn(3, 4))
+    assert wide_offsets(torch.randn(1).expand(2**31))  # stride 0, but its gradient buffer
+    assert not wide_offsets(big[-10:])  # a large storage, small offsets from the view
+    assert wide_offsets(big.view(2, 2**31)[:, :3])  # row 1 starts 2^31 elements in
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 
 

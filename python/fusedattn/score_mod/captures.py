@@ -25,7 +25,9 @@ import types
 
 import torch
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_SCALARS = frozenset(
+    (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+)  # a set: `type(v) in _SCALARS` is one hash, not nine comparisons (every value walked)
 MAX_DEPTH = 6
 MAX_ITEMS = 4096  # values visited per walk: a mod that closes over a whole model stops there
 MAX_SEQUENCE = 256  # longer lists, tuples and dicts enter the key as their length only
