@@ -180,10 +180,13 @@ def _launch_cases(fusedattn, dtype) -> dict:
 
 
 def forget_plans() -> None:
-    """Drop attention_with_kvcache's plans (their launchers are bound at their first call)."""
-    plans = first_module("fusedattn.ops.decode.plans", "fusedattn.ops.decode_plan")
-    if plans is not None:
-        plans.PLANS.clear()
+    """Drop attention_with_kvcache's and attention's plans (their launchers are bound at
+    their first call: a plan kept from a run with the launch cache off would never bind the
+    compiled kernel's launcher that --check-launches checks)."""
+    for name in ("fusedattn.ops.decode.plans", "fusedattn.ops.attention.plans"):
+        plans = first_module(name)
+        if plans is not None:
+            plans.PLANS.clear()
 
 
 def check_launches(fusedattn) -> list[str]:
@@ -381,7 +384,8 @@ def cases(fusedattn, device, dtype, every_op: bool):
 def flex_cases(fusedattn, q, k, v):
     """FlexAttention's halves on the Triton path (issue #84): a score_mod whose structure is
     cached (a relative bias over a captured table: each call walks the closure, finds the
-    trace and passes the table by pointer), and a block mask (causal, 16 x 16 blocks)."""
+    trace and passes the table by pointer), the same over a learnable table (its gradient
+    computed), and a block mask (causal, 16 x 16 blocks)."""
     if not hasattr(fusedattn, "score_mod"):  # checkouts older than score_mod
         return
     B, H, T, D = q.shape
@@ -396,6 +400,17 @@ def flex_cases(fusedattn, q, k, v):
         lambda: fusedattn.attention(q, k, v, score_mod=relative_bias, backend="triton"),
         (q, k, v),
         dict(fields, mask="score_mod:relative_bias"),
+    )
+    learned = torch.randn(H, 2 * T - 1, device=q.device, requires_grad=True)
+
+    def learnable_bias(score, b, h, q_idx, kv_idx):
+        return score + learned[h, q_idx - kv_idx + T - 1]
+
+    yield (  # its gradient too: float32 buffers, the dQ kernel's atomics, the cast back
+        "attention",
+        lambda: fusedattn.attention(q, k, v, score_mod=learnable_bias, backend="triton"),
+        (q, k, v, learned),
+        dict(fields, mask="score_mod:learnable_bias"),
     )
     from fusedattn.masks import create_block_mask
 

@@ -167,3 +167,147 @@ def test_bypassed_plans_send_every_call_through_select(monkeypatch):
         for call in calls.values():
             call(), call()
     assert sorted(selected) == sorted(2 * list(calls)), selected
+
+
+# ---- block-mask and score_mod calls (plans.FlexPlan) -----------------------------------------
+
+
+def flex_call(seed, variant, **kw):
+    """One block-mask / score_mod call of fixed metadata with new values each seed: a new
+    mask object (its window, hence its partial blocks, differs; lopsided, so that its two
+    orientations differ), a new learnable table, new q, k, v. -> ((out, lse or None), grads
+    of q, k, v and the table)."""
+    g = torch.Generator().manual_seed(seed)
+    T = 40
+    q, k, v = (torch.randn(2, 2, T, 16, generator=g).requires_grad_() for _ in range(3))
+    table = torch.randn(2, 2 * T - 1, generator=g).requires_grad_()
+    args = dict(kw)
+    if variant in ("mask", "both"):
+        width = 3 + 7 * seed
+        args["block_mask"] = fusedattn.masks.create_block_mask(
+            lambda b, h, i, j: (i - j <= width) & (j - i <= 5), None, None, T, T, device="cpu",
+            BLOCK_SIZE=16,
+        )  # fmt: skip
+    if variant in ("mod", "both"):
+
+        def relative(score, b, h, q_idx, kv_idx):
+            return score + table[h, q_idx - kv_idx + T - 1]
+
+        args["score_mod"] = relative
+    if args.pop("float_mask", False):
+        args["attn_mask"] = torch.randn(T, T, generator=g)
+    torch.manual_seed(seed)  # dropout's stream
+    out = fusedattn.attention(q, k, v, backend="triton", **args)
+    lse = None
+    if isinstance(out, tuple):
+        out, lse = out
+    loss = (out * torch.randn(out.shape, generator=g)).sum()
+    if lse is not None:
+        loss = loss + (lse * torch.randn(lse.shape, generator=g)).sum()
+    leaves = (q, k, v, table) if variant != "mask" else (q, k, v)
+    return (out, lse), torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize(
+    "variant, kw",
+    [("mask", dict(key_padding_mask=None)), ("mod", dict(float_mask=True, return_lse=True)),
+     ("both", dict(is_causal=True, dropout_p=0.2, return_lse=True))],
+    ids=["block_mask", "score_mod_float_mask_lse", "both_causal_dropout_lse"],
+)  # fmt: skip
+def test_planned_flex_calls_equal_the_full_path(variant, kw):
+    """Three steps through one plan, each with a new mask object (other partial blocks), a
+    new learnable table and new inputs: the planned calls (the kernels handed each call's
+    lists and captures) give the full path's bits, forward, lse and every gradient (the
+    table's by the dq kernel's atomics)."""
+    flex_call(0, variant, **kw)  # makes the plan
+    planned = [flex_call(seed, variant, **kw) for seed in (1, 2, 3)]
+    assert len(attention_plans.PLANS.plans) == 1
+    with plans.bypassed():
+        full = [flex_call(seed, variant, **kw) for seed in (1, 2, 3)]
+    for p, f in zip(planned, full, strict=True):
+        for a, b in zip((*p[0], *p[1]), (*f[0], *f[1]), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.kernels
+def test_a_flex_plan_skips_the_checks_and_is_keyed_on_what_it_decides(monkeypatch):
+    """A planned call runs no argument check and no backend selection; a capture of another
+    layout, grad mode, or a block mask beside an attn_mask (merged densely each call) is not
+    served by it."""
+    from fusedattn.ops.attention import api
+
+    T = 32
+    q = torch.randn(1, 2, T, 16)
+    table = torch.randn(2, 2 * T)
+    mask = fusedattn.masks.create_block_mask(lambda b, h, i, j: i >= j, None, None, T, T,
+                                             device="cpu", BLOCK_SIZE=16)  # fmt: skip
+
+    def mod_over(t):
+        return lambda s, b, h, i, j: s * t[h, i - j + T]
+
+    def call(t=table, **kw):
+        return fusedattn.attention(q, q, q, score_mod=mod_over(t), block_mask=mask,
+                                   backend="triton", **kw)  # fmt: skip
+
+    call()
+    checked = []
+    check = api._checked_inputs
+    monkeypatch.setattr(api, "_checked_inputs", lambda *a, **k: checked.append(1) or check(*a, **k))
+    expected = call(torch.randn(2, 2 * T))
+    assert checked == [] and len(attention_plans.PLANS.plans) == 1
+    call(table.t().contiguous().t())  # the capture's strides: a new plan
+    call(table.requires_grad_())  # requires_grad: a new plan
+    assert len(checked) == 2 and len(attention_plans.PLANS.plans) == 3
+    call(attn_mask=torch.ones(T, T, dtype=torch.bool))  # with a block mask: never planned
+    call(attn_mask=torch.ones(T, T, dtype=torch.bool))
+    assert len(checked) == 4 and len(attention_plans.PLANS.plans) == 3
+    assert expected.shape == q.shape
+
+
+@pytest.mark.kernels
+def test_a_flex_plan_made_without_determinism_does_not_serve_it():
+    """The captures' gradient refusal under torch.use_deterministic_algorithms(True) is a
+    decision of the key's: a plan made before the switch does not let a many-term capture
+    through after it."""
+    T = 16
+    q = torch.randn(1, 2, T, 16, requires_grad=True)
+    table = torch.randn(2 * T, requires_grad=True)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + T]  # each entry: many (q, kv) terms
+
+    for _ in range(2):
+        fusedattn.attention(q, q, q, score_mod=relative, backend="triton").sum().backward()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(ValueError, match="use_deterministic_algorithms"):
+            fusedattn.attention(q, q, q, score_mod=relative, backend="triton")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.kernels
+def test_a_flex_plans_backward_follows_which_captures_want_a_gradient():
+    """One plan's backwards asked for different leaves (with and without the learnable
+    table, whose gradient the dq kernel adds whenever it requires grad): each as the full
+    path's."""
+    T = 24
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, 16, generator=g).requires_grad_() for _ in range(3))
+    table = torch.randn(2, 2 * T, generator=g).requires_grad_()
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + T]
+
+    def grads(leaves):
+        out = fusedattn.attention(q, k, v, score_mod=relative, backend="triton")
+        return torch.autograd.grad(out.pow(2).sum(), leaves)
+
+    planned = [grads(leaves) for leaves in ((q,), (q, table), (k, v), (table,))]
+    assert len(attention_plans.PLANS.plans) == 1
+    with plans.bypassed():
+        full = [grads(leaves) for leaves in ((q,), (q, table), (k, v), (table,))]
+    for p, f in zip(planned, full, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(p, f, strict=True))

@@ -81,6 +81,22 @@ class KernelBlocks:
         """Blocks listed over every (batch, head) the mask holds (full and partial)."""
         return int(self.kv_lists[..., 0].sum())
 
+    def metadata(self) -> tuple:
+        """What a plan keys this form on (ops/attention/plans.py): the lengths, the block size
+        and each tensor's shape, strides, dtype, device and 16-byte alignment (what the
+        kernels' launch arguments and Triton's specialisation read), the bits' but for their
+        count (a pointer, whatever the number of partial blocks). Kept with the object."""
+        found = self.__dict__.get("_metadata")
+        if found is None:
+            found = (self.seq_lengths, self.block_size, *(
+                (t.shape if name != "bits" else t.shape[1:], t.stride(), t.dtype, t.device,
+                 t.data_ptr() % 16 == 0)
+                for name, t in ((n, getattr(self, n)) for n in
+                                ("kv_lists", "kv_kinds", "q_lists", "q_kinds", "bits"))
+            ))  # fmt: skip
+            object.__setattr__(self, "_metadata", found)  # frozen: set once, like a cache
+        return found
+
     def to(self, device) -> KernelBlocks:
         device = torch.device(device)
         if device == self.device:

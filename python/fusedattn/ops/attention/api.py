@@ -109,19 +109,27 @@ def attention(
     flash-attention 3 does (its error: docs/api.md). Refused where a gradient would be
     needed, and with dropout.
     """
-    plan_key = None
+    plan_key = bm = mod = None
     fp8 = q_descale is not None or out_dtype is not None
+    fp8 = fp8 or k_descale is not None or v_descale is not None
     flex_call = block_mask is not None or score_mod is not None
-    if not flex_call and not tracing():  # an eager call of known metadata: its plan
+    if not tracing():  # an eager call of known metadata: its plan
         plan_key = plans.key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              key_padding_mask, window_size, softcap, alibi_slopes, sinks,
                              causal_alignment, return_lse, backend)  # fmt: skip
-        if fp8 or k_descale is not None or v_descale is not None:
-            plan_key = plans.fp8_key(plan_key, q_descale, k_descale, v_descale, out_dtype)
-        plan = plans.PLANS.get(plan_key)
-        if plan is not None:
-            return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks,
-                        (q_descale, k_descale, v_descale))  # fmt: skip
+        if flex_call:  # no fp8 plans: an fp8 flex call takes the full path
+            plan_key, bm, mod = plans.flex_key(None if fp8 else plan_key, q, attn_mask,
+                                               block_mask, score_mod)  # fmt: skip
+            plan = plans.PLANS.get(plan_key)
+            if plan is not None:
+                return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, bm, mod)
+        else:
+            if fp8:
+                plan_key = plans.fp8_key(plan_key, q_descale, k_descale, v_descale, out_dtype)
+            plan = plans.PLANS.get(plan_key)
+            if plan is not None:
+                return plan(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks,
+                            (q_descale, k_descale, v_descale))  # fmt: skip
     inputs, shift = _checked_inputs(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap,
@@ -129,8 +137,9 @@ def attention(
         return_lse=return_lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         out_dtype=out_dtype,
     )  # fmt: skip
-    if flex_call:  # no plans: the mask's and the mod's tensors are the call's
-        return _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse)
+    if flex_call:
+        return _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse, plan_key,
+                          mod)  # fmt: skip
     impl = backends.select("attention", backend, q.device, inputs)
     if plan_key is not None:
         plan = plans.AttentionPlan(impl, inputs)
@@ -139,21 +148,29 @@ def attention(
     return _shifted(impl.run(**inputs), shift, return_lse)
 
 
-def _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse):
+def _flex_call(inputs, shift, block_mask, score_mod, backend, return_lse, plan_key=None,
+               mod=None):  # fmt: skip
     """attention() with a block mask or a score_mod (FlexAttention's two halves), its
     arguments checked (_checked_inputs): the Triton kernels (the listed blocks, the mod per
     tile), or on the reference and torch backends the dense mask and the mod on every
-    score."""
+    score. plan_key, mod: plans.flex_key's (None: not planned, or not looked up); a Triton
+    call that succeeds leaves its plan under the key."""
     q = inputs["q"]
     bm = None if block_mask is None else check_block_mask(block_mask, q, inputs["k"])
-    mod = None if score_mod is None else prepare_score_mod(score_mod, q.device)
+    if mod is None and score_mod is not None:
+        mod = prepare_score_mod(score_mod, q.device)
     backend = flex_backend(backend, q, block_mask, score_mod)
     if mod is not None:
         inputs["score_mod"] = mod
     impl = backends.select("attention", backend, q.device, inputs)
     if impl.backend == "triton":
         inputs.pop("enable_gqa")
-        return _shifted(flex.run(block_mask=bm, **inputs), shift, return_lse)
+        if plan_key is None:
+            return _shifted(flex.run(block_mask=bm, **inputs), shift, return_lse)
+        plan = plans.FlexPlan(impl, inputs, bm, mod)
+        result = _shifted(plan.run(inputs, bm), shift, return_lse)
+        plans.PLANS.remember(plan_key, plan)  # after the call: a refusal inside leaves none
+        return result
     if impl.backend == "cuda":  # only through FUSEDATTN_BACKEND: the argument is refused above
         raise ValueError(f"{_flex_names(block_mask, score_mod)}: the CUDA attention has no "
                          "kernel for it; use backend='triton' (or 'auto')")  # fmt: skip

@@ -120,7 +120,7 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks
         return out, lse, None
     if template is not None:
         L = template.bind(attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
-                          cu_seqlens_k, seed)  # fmt: skip
+                          cu_seqlens_k, seed, block, mod)  # fmt: skip
     else:
         L = TritonAttentionLaunch(
             q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
@@ -244,7 +244,11 @@ def _attention_backward(do, q, k, v, out, lse, attn_mask, key_padding_mask, alib
     do_layout = (do.stride(), do.data_ptr() % 16 == 0)
     if dlse is not None:  # laid out as lse (an lse.sum()'s gradient comes expanded)
         dlse = dlse.to(torch.float32).expand(L.lse_shape).contiguous()
-    L.run(("dq", mask_grad, exact_delta, do_layout, dlse is None), L.K.attention_bwd_dq,
+    # a score_mod's dq kernel differs by which captures get a gradient (fixed within a plan
+    # today, requires_grad being in its key; named so that a bound launcher never serves
+    # another set)
+    wanted = None if mod_grads is None else tuple(g is not None for g in mod_grads)
+    L.run(("dq", mask_grad, exact_delta, do_layout, dlse is None, wanted), L.K.attention_bwd_dq,
           L.dq_args, L.dq_tensors, q, k, v, out, do, lse, delta, dq, dmask, mask_grad,
           exact_delta, dlse)  # fmt: skip
     L.run(("dkdv", do_layout), L.K.attention_bwd_dkdv, L.dkdv_args, L.dkdv_tensors, q, k, v, do,
@@ -345,6 +349,14 @@ class EagerAttention(torch.autograd.Function):
         return _grads(ctx, dout, dlse, bwd, 11)
 
 
+def dropout_seed(dropout_p: float, device) -> torch.Tensor | None:
+    """The Philox seed of a call with dropout (None without): an int64 tensor drawn from
+    torch's generator on the call's device, so runs repeat under torch.manual_seed."""
+    if dropout_p > 0.0:
+        return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    return None
+
+
 def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, dropout_p, scale, window, softcap, alibi_slopes, sinks, return_lse,
              backend, template=None, autograd=None):  # fmt: skip
@@ -353,9 +365,7 @@ def _forward(q, k, v, attn_mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k, m
     gradient is wanted, where the caller knows (a plan: grad mode and requires_grad are in
     its key)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    seed = None
-    if dropout_p > 0.0:  # from torch's generator on q's device: reproducible under manual_seed
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    seed = dropout_seed(dropout_p, q.device)
     rest = (max_seqlen_q, max_seqlen_k, window.left, window.right, window.bottom_right, scale,
             softcap, dropout_p, seed, backend)  # fmt: skip
     tensors = (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
@@ -456,14 +466,16 @@ def _(q, k, v, q_descale, k_descale, v_descale, attn_mask, key_padding_mask, ali
 
 
 def attention_template(q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, window, scale,
-                       softcap, dropout_p) -> TritonAttentionLaunch:  # fmt: skip
-    """A plan's TritonAttentionLaunch for a dense call of this metadata (the tensors given are
-    one call's, after the float-mask shift)."""
+                       softcap, dropout_p, block=None, mod=None) -> TritonAttentionLaunch:  # fmt: skip
+    """A plan's TritonAttentionLaunch for a call of this metadata (the tensors given are one
+    call's, after the float-mask shift); block, mod: a block-mask or score_mod call's (each
+    call binds its own)."""
     q, k, v = _kernel_layout("triton", q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return TritonAttentionLaunch(
         q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None, 0, 0, window.left,
         window.right, window.bottom_right, scale, softcap, dropout_p, None, planned=True,
+        block=block, mod=mod,
     )  # fmt: skip
 
 

@@ -4,10 +4,11 @@ function the kernels call per tile, fusedattn/score_mod/), alone or together, de
 
 The forward and backward are custom_ops.py's (_attention_forward, _attention_backward) with
 the block mask and the score_mod handed to the Triton launch. Eager calls run them through
-an autograd.Function (the host path of a dense call, a few µs over it); while torch.compile
-records, as two torch.library custom ops carrying the mask as its tensors and sizes and the
-mod as its structure's name (registered when it was traced) and its captured tensors, so a
-compiled graph is one op each way.
+an autograd.Function, with a plan per metadata after the first (plans.FlexPlan: the checks,
+the launch arguments and the bound launchers kept; each call hands over its lists and
+captures); while torch.compile records, as two torch.library custom ops carrying the mask as
+its tensors and sizes and the mod as its structure's name (registered when it was traced)
+and its captured tensors, so a compiled graph is one op each way.
 
 Captured tensors that require grad get their gradient from the dQ kernel (float32 atomics,
 returned in the tensor's dtype). Atomics add in no fixed order: under
@@ -287,11 +288,11 @@ class EagerFlexAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, kpm, slopes, sinks, cu_q, cu_k, rest, block, mod,
-                *mod_tensors):  # fmt: skip
+                template, *mod_tensors):  # fmt: skip
         max_q, max_k, *scalars, seed = rest
         out, lse, ctx.launch = custom_ops._attention_forward(
             q, k, v, attn_mask, kpm, slopes, sinks, cu_q, cu_k, max_q, max_k, *scalars, seed,
-            "triton", block=block, mod=mod,
+            "triton", template=template, block=block, mod=mod,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, seed)
         ctx.rest, ctx.block, ctx.mod = (max_q, max_k, tuple(scalars)), block, mod
@@ -310,7 +311,7 @@ class EagerFlexAttention(torch.autograd.Function):
         )
         if dout is None:
             dout = torch.zeros_like(out)
-        wanted = tuple(w and n for w, n in zip(ctx.mod_wanted, ctx.needs_input_grad[12:],
+        wanted = tuple(w and n for w, n in zip(ctx.mod_wanted, ctx.needs_input_grad[13:],
                                                strict=True))  # fmt: skip
         dq, dk, dv, dscores, dsinks, grads = _backward(
             dout, q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, max_q, max_k,
@@ -318,16 +319,18 @@ class EagerFlexAttention(torch.autograd.Function):
         )  # fmt: skip
         dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
         dsinks = dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[6] else None
-        return (dq, dk, dv, dmask, None, None, dsinks, None, None, None, None, None, *grads)
+        return (dq, dk, dv, dmask, None, None, dsinks, None, None, None, None, None, None,
+                *grads)  # fmt: skip
 
 
 def run(q, k, v, attn_mask, dropout_p, scale, key_padding_mask, window, softcap, alibi_slopes,
         sinks, return_lse, block_mask=None, score_mod=None, cu_seqlens_q=None,
         cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, q_descale=None, k_descale=None,
-        v_descale=None, out_dtype=None):  # fmt: skip
+        v_descale=None, out_dtype=None, template=None):  # fmt: skip
     """The Triton backend of attention(..., block_mask=bm, score_mod=mod) and of
     varlen_attention(..., score_mod=mod): bm the mask's KernelBlocks on q's device or None,
-    mod a ScoreMod or None."""
+    mod a ScoreMod or None. template: a plan's TritonAttentionLaunch for this call's
+    metadata (plans.FlexPlan: an eager dense-layout call, no fp8), bound to bm and mod."""
     q, k, v = custom_ops._kernel_layout("triton", q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if attn_mask is not None and block_mask is not None:
@@ -357,9 +360,7 @@ def run(q, k, v, attn_mask, dropout_p, scale, key_padding_mask, window, softcap,
             block=block_mask, mod=score_mod,
         )  # fmt: skip
         return (out, lse) if return_lse else out
-    seed = None
-    if dropout_p > 0.0:
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    seed = custom_ops.dropout_seed(dropout_p, q.device)
     tensors = (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q,
                cu_seqlens_k)  # fmt: skip
     scalars = (*window_args, scale, softcap, float(dropout_p))
@@ -369,14 +370,23 @@ def run(q, k, v, attn_mask, dropout_p, scale, key_padding_mask, window, softcap,
             *tensors, max_seqlen_q, max_seqlen_k, block_tensors, sizes,
             "" if score_mod is None else score_mod.name, list(mod_tensors), *scalars, seed,
         )  # fmt: skip
-    elif grad and (any(t is not None and t.requires_grad for t in tensors) or any(wanted)):
-        out, lse = EagerFlexAttention.apply(
-            *tensors, (max_seqlen_q, max_seqlen_k, *scalars, seed), block_mask, score_mod,
-            *mod_tensors,
-        )  # fmt: skip
-    else:  # inference: no autograd node to build
-        out, lse, _ = custom_ops._attention_forward(
-            *tensors, max_seqlen_q, max_seqlen_k, *scalars, seed, "triton", block=block_mask,
-            mod=score_mod,
-        )  # fmt: skip
+    else:
+        autograd = grad and (any(t is not None and t.requires_grad for t in tensors)
+                             or any(wanted))  # fmt: skip
+        out, lse = eager(tensors, (max_seqlen_q, max_seqlen_k, *scalars, seed), block_mask,
+                         score_mod, autograd, template)  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def eager(tensors, rest, block, mod, autograd: bool, template=None):
+    """An eager call's (out, lse) on the Triton kernels: tensors (q, k, v, attn_mask,
+    key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k; custom_ops lays
+    them out for the kernels), rest (max_seqlen_q, max_seqlen_k, window left, right, bottom_right, scale,
+    softcap, dropout_p, seed); autograd: whether a backward is recorded (the captures'
+    gradients included); template: a plan's launch template (plans.FlexPlan)."""
+    if autograd:
+        return EagerFlexAttention.apply(*tensors, rest, block, mod, template,
+                                        *(() if mod is None else mod.tensors))  # fmt: skip
+    out, lse, _ = custom_ops._attention_forward(*tensors, *rest, "triton", template=template,
+                                                block=block, mod=mod)  # fmt: skip
+    return out, lse

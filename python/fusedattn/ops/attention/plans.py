@@ -1,14 +1,18 @@
 """Plans of `fusedattn.attention`'s eager calls (core/plans.py says what a plan is): the
 backend, its keyword arguments, the float-mask shift, and for the Triton kernels a launch
-template whose launchers are bound at their first call."""
+template whose launchers are bound at their first call. A block-mask or score_mod call on the
+Triton kernels has its own (FlexPlan): its key adds the mask's and the mod's metadata, and
+each call binds its own lists and captures."""
 
 from __future__ import annotations
 
 import torch
 
+from ...block_mask import as_block_mask
 from ...masks import shift_float_mask, visible_keys
+from ...score_mod import prepare as prepare_score_mod
 from ..core.plans import Cache, meta, process_state
-from . import custom_ops, triton_backend
+from . import custom_ops, flex, triton_backend
 
 PLANS = Cache("attention")
 
@@ -97,3 +101,79 @@ class AttentionPlan:
             out, lse = result
             return out, lse + shift.float()
         return result
+
+
+def flex_key(key, q, attn_mask, block_mask, score_mod):
+    """A block-mask or score_mod call's plan key: the dense key (`key`), the kernels' form of
+    the mask by its metadata (KernelBlocks.metadata: a new mask of the same shapes is the
+    same key, its lists bound per call), the mod by its traced structure and its captures'
+    metadata (new values or new tensors of the same layout: the same key), and whether
+    deterministic algorithms are asked for (the captures' gradient refusal). -> (key, the
+    call's KernelBlocks or None, its ScoreMod or None); (None, None, None) for a call plans
+    do not cover: a block mask beside an attn_mask (merged densely each call), or anything
+    the lookups refuse (the full path then raises it, in its order)."""
+    if key is None or (block_mask is not None and attn_mask is not None):
+        return None, None, None
+    try:
+        bm = None if block_mask is None else as_block_mask(block_mask, q.device)
+        mod = None if score_mod is None else prepare_score_mod(score_mod, q.device)
+    except (TypeError, ValueError, RuntimeError):
+        return None, None, None
+    mod_key = None
+    if mod is not None:
+        mod_key = (mod.name, *map(meta, mod.tensors))
+    return (
+        key, None if bm is None else bm.metadata(), mod_key,
+        torch.are_deterministic_algorithms_enabled(),
+    ), bm, mod  # fmt: skip
+
+
+class FlexPlan:
+    """A block-mask or score_mod call's decisions on the Triton kernels (api._flex_call made
+    them once, flex.run checked the captures' gradients): the float-mask shift, the kernels'
+    scalars, whether a backward is recorded (grad mode and every requires_grad are in the
+    key), and a TritonAttentionLaunch template (launch arguments, tiles, the mod's generated
+    functions) each call binds to its own KernelBlocks and ScoreMod; its launchers are bound
+    at their first call, each call handing them its lists and captures
+    (TritonAttentionLaunch.flex_values)."""
+
+    def __init__(self, impl, inputs: dict, bm, mod):
+        self.impl = impl  # the Cache serves a plan while this is the registered backend
+        self.window = window = inputs["window"]
+        self.shift = inputs["attn_mask"] is not None and inputs["sinks"] is None
+        self.return_lse = inputs["return_lse"]
+        self.dropout_p = inputs["dropout_p"]
+        self.template = custom_ops.attention_template(
+            inputs["q"], inputs["k"], inputs["v"], inputs["attn_mask"],
+            inputs["key_padding_mask"], inputs["alibi_slopes"], inputs["sinks"], window,
+            inputs["scale"], inputs["softcap"], self.dropout_p, block=bm, mod=mod,
+        )  # fmt: skip
+        # the template keeps no call's mask or captures (each call binds its own)
+        self.template.block = self.template.mod = None
+        self.scalars = (window.left, window.right, window.bottom_right,
+                        self.template.scalars[0], inputs["softcap"], self.dropout_p)  # fmt: skip
+        tensors = [inputs[n] for n in ("q", "k", "v", "attn_mask", "key_padding_mask",
+                                       "alibi_slopes", "sinks")]  # fmt: skip
+        tensors += [] if mod is None else mod.tensors
+        self.autograd = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors
+        )
+
+    def run(self, inputs: dict, bm):
+        """The first call's checked inputs (after the shift) through the Triton kernels: the
+        full flex.run, its refusals included."""
+        return flex.run(block_mask=bm, template=self.template, **inputs)
+
+    def __call__(self, q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, bm, mod):
+        shift = None
+        if self.shift:
+            visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
+            attn_mask, shift = shift_float_mask(attn_mask, visible)
+        seed = custom_ops.dropout_seed(self.dropout_p, q.device)  # (the layout: the kernels')
+        out, lse = flex.eager(
+            (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None),
+            (0, 0, *self.scalars, seed), bm, mod, self.autograd, self.template,
+        )  # fmt: skip
+        if not self.return_lse:
+            return out
+        return out, lse if shift is None else lse + shift.float()

@@ -8,7 +8,6 @@ argument lists for sm_90 without a GPU (`config=` there picks the tiles to scree
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -226,6 +225,9 @@ class TritonAttentionLaunch:
             alibi_or_varlen=alibi_slopes is not None or self.varlen,
         )  # fmt: skip
         self.block = block
+        # a block mask or a score_mod: their tensors ride in keywords (FLEX_KEYWORDS), each
+        # call's own; a plan's bound launches are given them per call (bind, run)
+        self.flex = block is not None or mod is not None
         if block is not None:
             self.cfg = block_sparse_config(self.cfg, *block.block_size)
         # a score_mod (fusedattn.score_mod.ScoreMod): its functions for each kernel, and the
@@ -310,15 +312,21 @@ class TritonAttentionLaunch:
             triton_launch.launch(kernel, grid, args, constexprs)
 
     def bind(self, attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-             seed):  # fmt: skip
+             seed, block=None, mod=None):  # fmt: skip
         """This template's launch for one call's tensors: the metadata's decisions kept, the
-        tensor-derived arguments (mask view, key range, parameters, seed) made anew, the bound
-        launchers shared. With none of those the template itself serves the call (its own are
-        None too: it was built from a call of this key)."""
+        tensor-derived arguments (mask view, key range, parameters, seed; a block mask's
+        KernelBlocks and a score_mod, whose metadata the plan's key fixed) made anew, the
+        bound launchers shared. With none of those the template itself serves the call (its
+        own are None too: it was built from a call of this key)."""
         per_call = (attn_mask, key_padding_mask, alibi_slopes, sinks, cu_seqlens_q, seed)
-        if all(t is None for t in per_call):
+        if (block is not None or mod is not None) != self.flex:
+            raise AssertionError("a flex template is bound with a block mask or a score_mod, "
+                                 "a dense one with neither")  # fmt: skip
+        if not self.flex and all(t is None for t in per_call):
             return self
-        launch = copy.copy(self)
+        launch = object.__new__(TritonAttentionLaunch)  # copy.copy's result, 2.5 µs sooner
+        launch.__dict__.update(self.__dict__)
+        launch.block, launch.mod, launch.mod_grads = block, mod, None
         if not self.varlen:
             q_shape = (self.B, self.H, self.Tq)
             launch.mask = None if attn_mask is None else attn_mask.expand(*q_shape, self.Tk)
@@ -335,23 +343,43 @@ class TritonAttentionLaunch:
     def run(self, name, kernel, make, tensors, *operands) -> None:
         """Launch `kernel` for these operands: make(*operands) gives (grid, args, constexprs);
         a planned launch after the first calls its bound launcher with tensors(*operands),
-        the tensor arguments alone (the rest is the metadata's, the same every call)."""
+        the tensor arguments alone (the rest is the metadata's, the same every call), and a
+        flex call's per-call keywords (flex_values)."""
         prepared = None if self.prepared is None else self.prepared.get(name)
         if prepared is not None:
-            prepared(*tensors(*operands))
+            if self.flex:
+                values = self.flex_values(name if type(name) is str else name[0])
+                prepared.with_values(tensors(*operands), tuple(map(values.get, prepared.names)))
+            else:
+                prepared(*tensors(*operands))
             return
         grid, args, constexprs = make(*operands)
         if not grid[0]:
             return
-        if self.block is not None or self.mod is not None:  # tensors among the keywords
-            # (no plan: a block mask's lists and a mod's captures are each call's); the
-            # launch cache keys them by dtype and alignment (fwd 80 -> see bench_host)
+        per_call = None
+        if self.flex:  # tensors among the keywords (a block mask's lists, a mod's captures):
+            # each call's, keyed by what Triton specialises them on (triton_launch.launch)
             per_call = {k: constexprs.pop(k) for k in FLEX_KEYWORDS if k in constexprs}
+        if self.prepared is None:
             triton_launch.launch(kernel, grid, args, constexprs, per_call)
-        elif self.prepared is None:
-            triton_launch.launch(kernel, grid, args, constexprs)
         else:
-            self.prepared[name] = triton_launch.prepare(kernel, grid, args, constexprs)
+            self.prepared[name] = triton_launch.prepare(kernel, grid, args, constexprs, per_call)
+
+    def flex_values(self, kernel: str) -> dict:
+        """The per-call keywords of a block-sparse or score_mod launch (those of FLEX_KEYWORDS
+        that block_args and mod_args give) for kernel "fwd", "dq" or "dkdv": the call's
+        lists in the kernel's orientation, the mod's captures (in dq with the gradient
+        buffers the backward set)."""
+        values = {}
+        bm = self.block
+        if bm is not None:
+            lists, kinds = (
+                (bm.q_lists, bm.q_kinds) if kernel == "dkdv" else (bm.kv_lists, bm.kv_kinds)
+            )
+            values.update(LISTS=lists, KINDS=kinds, BITS=bm.bits)
+        if self.mod is not None:
+            values["MOD_ARGS"] = self.mod.arguments(self.mod_grads if kernel == "dq" else None)
+        return values
 
     def fwd_tensors(self, q, k, v, out, lse):
         use_tma = self.use_tma.get("fwd")
