@@ -42,6 +42,8 @@ def wide_offsets(t: torch.Tensor) -> bool:
     (int64 index math doubled the integer instructions of a gathered bias: sm_90 screen)."""
     if t.numel() >= 2**31:
         return True
+    if t.is_contiguous():  # offsets below numel (0.15 µs; the sum below 0.9, every call)
+        return False
     return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) >= 2**31
 
 
