@@ -263,9 +263,15 @@ def run(args) -> list[dict]:
         if not args.sm90_tool:
             os.environ.setdefault("TRITON_INTERPRET", "1")
             note = "kernel launches skipped (Triton's launcher not timed)"
-            attention_launch = first_module("fusedattn.ops.attention.triton_args",
-                                            "fusedattn.ops.attention_launch")  # fmt: skip
-            attention_launch.TritonAttentionLaunch.launch = staticmethod(lambda *a: None)
+            # every launch goes through triton_launch.launch (a plan's prepared launchers
+            # too, uncached under the interpreter); older checkouts: the attention's own
+            skip = first_module("fusedattn.ops.core.triton_launch")
+            if skip is not None:
+                skip.launch = lambda *args, **kwargs: None
+            else:
+                attention_launch = first_module("fusedattn.ops.attention.triton_args",
+                                                "fusedattn.ops.attention_launch")  # fmt: skip
+                attention_launch.TritonAttentionLaunch.launch = staticmethod(lambda *a: None)
     import fusedattn
 
     env = harness.environment(device)

@@ -224,19 +224,22 @@ def test_timing_reports_the_spread_and_flags_noisy_rows(monkeypatch):
     assert ms == 1.0 and spread == 4.0
 
 
-def test_host_benchmark_runs_and_fills_host_us(tmp_path, monkeypatch):
+@pytest.fixture
+def bench_host_stubs(monkeypatch):
+    """bench_host stubs the launches and the interpreter check for its own process (without
+    --sm90-tool on a CPU): restored after the test, or later tests would launch nothing."""
+    from fusedattn.ops.core import backends, triton_launch
+
+    monkeypatch.setattr(triton_launch, "launch", triton_launch.launch)
+    monkeypatch.setattr(backends, "triton_interpreter_enabled", backends.triton_interpreter_enabled)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_host_benchmark_runs_and_fills_host_us(tmp_path, monkeypatch, bench_host_stubs):
     import argparse
 
     import bench_host
 
-    from fusedattn.ops.attention import triton_args as attention_launch
-    from fusedattn.ops.core import backends
-
-    # bench_host stubs these for its own process: restore them after the test
-    Launch = attention_launch.TritonAttentionLaunch
-    monkeypatch.setattr(Launch, "launch", Launch.__dict__["launch"])
-    monkeypatch.setattr(backends, "triton_interpreter_enabled", backends.triton_interpreter_enabled)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(bench_host, "host_us", lambda fn, **kw: (fn(), (123.0, 0.5))[1])
     rows = bench_host.run(argparse.Namespace(sm90_tool=None, label=" (test)"))
     triton = [r for r in rows if r["impl"] == "fusedattn-triton (test)"]
@@ -566,19 +569,12 @@ def test_static_decode_screen_lays_out_the_kernels_parameters(monkeypatch):
         assert set(bound.arguments) == set(signature.parameters), name
 
 
-def test_host_benchmark_times_decoding_as_inference_only(monkeypatch):
+def test_host_benchmark_times_decoding_as_inference_only(monkeypatch, bench_host_stubs):
     """Decoding has no backward: its rows are fwd alone, with the cache layout in `mask`."""
     import argparse
 
     import bench_host
 
-    from fusedattn.ops.attention import triton_args as attention_launch
-    from fusedattn.ops.core import backends
-
-    Launch = attention_launch.TritonAttentionLaunch
-    monkeypatch.setattr(Launch, "launch", Launch.__dict__["launch"])
-    monkeypatch.setattr(backends, "triton_interpreter_enabled", backends.triton_interpreter_enabled)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(bench_host, "host_us", lambda fn, **kw: (fn(), (50.0, 0.01))[1])
     monkeypatch.setattr(bench_host, "DECODE", (1, 4, 2, 16, 40))  # interpreter-sized
     every = bench_host.cases
