@@ -48,7 +48,9 @@
 #           B=2, T = 4k and 16k, D=128, bf16, fwd and fwd+bwd, against Flex compiled (same mod,
 #           causal block mask) and the built-in softcap= / alibi_slopes=, and a new mod's
 #           first call (targets: pointwise mods >= Flex, learnable within 1.1x of it, a mod
-#           equal to a built-in within 5 %, first call <= 10 s)
+#           equal to a built-in within 5 %, first call <= 10 s); last, if the deadline
+#           leaves time, bench_host.py's real-launch host costs (the planned block-mask and
+#           score_mod rows against the plain call: issue #84's "a few µs" on the GPU host)
 #   invariant build invariant-tests bench-invariant (issue #73, one call of at most 8 minutes):
 #           the batch-invariance bit-equality tests on the compiled kernels (split size 64
 #           keys so the tests' caches cross splits), then decode with fusedattn.batch_invariant
@@ -106,7 +108,7 @@ case "${GPU_CHECK_STEPS:-check}" in
   hopper) steps=" build tune-hopper tiles bench-attention " ;;
   models) steps=" build info bench-models profile-bert512 " ;;
   flex) steps=" build flex-tests bench-flex " ;;
-  flex-mods) steps=" build flex-mod-tests bench-flex-mods " ;;
+  flex-mods) steps=" build flex-mod-tests bench-flex-mods host-flex " ;;
   invariant) steps=" build invariant-tests bench-invariant " ;;
   mla) steps=" build mla-tests bench-mla " ;;
   mla-sparse) steps=" build mla-sparse-tests bench-mla-sparse " ;;
@@ -320,6 +322,8 @@ step bench-models 330 $PYTHON benchmarks/bench_model.py --quick --out "$out_dir"
 step host 60 env FUSEDATTN_TRITON_LAUNCH_CACHE=0 $PYTHON benchmarks/bench_host.py \
   --label " (launch cache off)" --out "$out_dir"
 step host:cache 60 $PYTHON benchmarks/bench_host.py --label " (launch cache on)" --out "$out_dir"
+# issue #84: the planned flex calls' host cost with real launches (fusedattn's rows only)
+step host-flex 60 $PYTHON benchmarks/bench_host.py --impl fusedattn-triton --out "$out_dir"
 if [[ $steps == *" profile "* ]]; then
   step profile 60 $PYTHON scripts/profile_attention.py
   step profile:causal 40 $PYTHON scripts/profile_attention.py --causal
