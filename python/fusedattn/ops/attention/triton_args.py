@@ -324,7 +324,7 @@ class TritonAttentionLaunch:
                                  "a dense one with neither")  # fmt: skip
         if not self.flex and all(t is None for t in per_call):
             return self
-        launch = object.__new__(TritonAttentionLaunch)  # copy.copy's result, 2.5 µs sooner
+        launch = object.__new__(type(self))  # copy.copy's result, 2.5 µs sooner
         launch.__dict__.update(self.__dict__)
         launch.block, launch.mod, launch.mod_grads = block, mod, None
         if not self.varlen:
