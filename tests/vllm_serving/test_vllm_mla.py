@@ -57,8 +57,12 @@ def serve_mla(model, prompt_list, *, fused, backend="auto", max_tokens=6):
     CPUMLAImpl.forward_mqa = counting
     llm = None
     try:
+        # the baseline is CPU_MLA by name: on a CPU with AMX tiles vLLM prefers AMX_MLA,
+        # which takes bf16 weights only (this model is float32); fusedattn's run keeps vLLM's
+        # own choice (FUSEDATTN_VLLM points both at fusedattn's backend)
+        baseline = {} if fused else {"attention_backend": "CPU_MLA"}
         llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  max_model_len=512, seed=0)  # fmt: skip
+                  max_model_len=512, seed=0, **baseline)  # fmt: skip
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3,
                                 detokenize=False, ignore_eos=True)  # fmt: skip
         with count_dispatches() as counts:
