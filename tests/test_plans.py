@@ -179,7 +179,7 @@ def flex_call(seed, variant, **kw):
     of q, k, v and the table)."""
     g = torch.Generator().manual_seed(seed)
     T = 40
-    q, k, v = (torch.randn(2, 2, T, 16, generator=g).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(1, 2, T, 16, generator=g).requires_grad_() for _ in range(3))
     table = torch.randn(2, 2 * T - 1, generator=g).requires_grad_()
     args = dict(kw)
     if variant in ("mask", "both"):
@@ -216,15 +216,16 @@ def flex_call(seed, variant, **kw):
     ids=["block_mask", "score_mod_float_mask_lse", "both_causal_dropout_lse"],
 )  # fmt: skip
 def test_planned_flex_calls_equal_the_full_path(variant, kw):
-    """Three steps through one plan, each with a new mask object (other partial blocks), a
-    new learnable table and new inputs: the planned calls (the kernels handed each call's
-    lists and captures) give the full path's bits, forward, lse and every gradient (the
+    """Two steps through one plan after the call that made it, each with a new mask object
+    (other partial blocks), a new learnable table and new inputs: the planned calls (the
+    kernels handed each call's lists and captures; a launcher that kept its first values
+    fails the second step) give the full path's bits, forward, lse and every gradient (the
     table's by the dq kernel's atomics)."""
     flex_call(0, variant, **kw)  # makes the plan
-    planned = [flex_call(seed, variant, **kw) for seed in (1, 2, 3)]
+    planned = [flex_call(seed, variant, **kw) for seed in (1, 2)]
     assert len(attention_plans.PLANS.plans) == 1
     with plans.bypassed():
-        full = [flex_call(seed, variant, **kw) for seed in (1, 2, 3)]
+        full = [flex_call(seed, variant, **kw) for seed in (1, 2)]
     for p, f in zip(planned, full, strict=True):
         for a, b in zip((*p[0], *p[1]), (*f[0], *f[1]), strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
