@@ -211,8 +211,10 @@ def flex_call(seed, variant, **kw):
 @pytest.mark.kernels
 @pytest.mark.parametrize(
     "variant, kw",
-    [("mask", dict(key_padding_mask=None)), ("mod", dict(float_mask=True, return_lse=True)),
-     ("both", dict(is_causal=True, dropout_p=0.2, return_lse=True))],
+    [pytest.param("mask", dict(key_padding_mask=None), marks=pytest.mark.slow),
+     ("mod", dict(float_mask=True, return_lse=True)),  # the one in make test-fast (4 s)
+     pytest.param("both", dict(is_causal=True, dropout_p=0.2, return_lse=True),
+                  marks=pytest.mark.slow)],
     ids=["block_mask", "score_mod_float_mask_lse", "both_causal_dropout_lse"],
 )  # fmt: skip
 def test_planned_flex_calls_equal_the_full_path(variant, kw):
