@@ -8,7 +8,9 @@ structure not seen before is traced once (tracer.py) and written out as a Triton
 so a new value in one never traces or compiles again; one that requires grad gets its
 gradient (float32 atomics in the dQ kernel). A captured Python scalar is a constant of the
 generated code: a new value is a new structure (one trace, one Triton compile of the
-kernels that use it).
+kernels that use it). A call with the same function object as before, whose closure cells,
+globals and defaults still hold the same objects and whose captures have the same layout,
+skips the walk (captures.Guards, _Guarded).
 
 The reference and torch backends call the mod itself on the whole (B, H, Tq, Tk) score
 tensor with broadcasting index tensors (`fusedattn.reference.apply_score_mod`): O(Tq·Tk),
@@ -19,15 +21,17 @@ from __future__ import annotations
 
 import collections
 import threading
+import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from . import bounds, codegen, ir
-from .captures import Walk
+from .captures import Guards, Walk
 from .tracer import SUBSET_DOC, ScoreModError, describe_mod, trace
 
-__all__ = ["SUBSET_DOC", "ScoreMod", "ScoreModError", "prepare"]
+__all__ = ["SUBSET_DOC", "ScoreMod", "ScoreModError", "capture_layout", "prepare"]
 
 MAX_STRUCTURES = 256  # traced structures kept (least recently used dropped)
 
@@ -79,21 +83,40 @@ class _Structure:
 
 
 _STRUCTURES: collections.OrderedDict = collections.OrderedDict()
+# id(function) -> _Guarded: plain functions whose captures the slot checks vouch for
+_GUARDED: dict = {}
 _LOCK = threading.Lock()
 # graph text -> its _Compiled, for the custom ops (torch.compile records a string)
 _BY_NAME: dict[str, _Compiled] = {}
 
 
+def capture_layout(t: torch.Tensor) -> tuple:
+    """What a capture's launch depends on besides its values: shape, strides, dtype, device,
+    requires_grad and 16-byte alignment (Triton specialises a pointer on it): the fields of
+    a plan's key for a tensor (ops/core/plans.meta; tests/test_score_mod_guards.py checks
+    they agree), so a plan keys a mod's captures on ScoreMod.layouts."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16 == 0)
+
+
 class ScoreMod:
     """One call's score_mod: the traced graph and this call's captured tensors."""
 
-    __slots__ = ("compiled", "fn", "names", "tensors")
+    __slots__ = ("_layouts", "compiled", "fn", "names", "tensors")
 
-    def __init__(self, fn, compiled: _Compiled, tensors: list[torch.Tensor], names: list[str]):
+    def __init__(self, fn, compiled: _Compiled, tensors: list[torch.Tensor], names: list[str],
+                 layouts: tuple | None = None):  # fmt: skip
         self.fn = fn
         self.compiled = compiled
         self.tensors = tensors
         self.names = names
+        self._layouts = layouts
+
+    @property
+    def layouts(self) -> tuple:
+        """capture_layout of each capture (the guarded lookup has them already)."""
+        if self._layouts is None:
+            self._layouts = tuple(map(capture_layout, self.tensors))
+        return self._layouts
 
     @property
     def name(self) -> str:
@@ -117,7 +140,7 @@ class ScoreMod:
         return self.compiled.module(interpreted, grads, proven, fast and not interpreted)
 
     def arguments(self, grad_buffers=None) -> tuple:
-        return codegen.arguments(self.tensors, grad_buffers or [None] * len(self.tensors))
+        return codegen.arguments(self.tensors, grad_buffers)
 
     def loads(self, capture: int) -> list[list[str | None]]:
         """Per load of a capture, per dimension: the input (b, h, q_idx, kv_idx) its index
@@ -126,6 +149,41 @@ class ScoreMod:
         return [[a.op if a.op in ir.INPUTS or a.op == "const" else None for a in n.args]
                 for n in ir.topological(self.compiled.output)
                 if n.op == "load" and n.attrs[0] == capture]  # fmt: skip
+
+
+class _Guarded:
+    """A function object's last full walk whose slots the guards vouch for (captures.Guards):
+    its structure, and its captures (weakly) with their layouts, checked again on each call
+    (a tensor's dtype, shape or requires_grad can change in place, which a walk's key would
+    see; tensors the mod does not read do not change its trace)."""
+
+    __slots__ = ("captures", "fn", "guards", "layouts", "structure")
+
+    def __init__(self, fn, guards: Guards, structure: _Structure, captures: list):
+        self.fn = weakref.ref(fn)
+        self.guards, self.structure = guards, structure
+        self.captures = [weakref.ref(t) for t in captures]
+        self.layouts = tuple(map(capture_layout, captures))
+
+    def mod(self, fn, device: torch.device) -> ScoreMod | None:
+        """This call's ScoreMod if fn's slots hold what they held and its captures' layouts
+        are the same (on `device`), else None (the full walk decides, and refuses)."""
+        if self.fn() is not fn or not self.guards.unchanged():
+            return None
+        captures = []
+        for ref in self.captures:
+            t = ref()
+            if t is None:
+                return None
+            captures.append(t)
+        layouts = self.layouts
+        if tuple(map(capture_layout, captures)) != layouts:
+            return None
+        for layout in layouts:
+            if layout[3] != device:
+                return None
+        structure = self.structure
+        return ScoreMod(fn, structure.compiled, captures, structure.names, layouts)
 
 
 def _trace(fn, walk: Walk, device) -> tuple[_Structure, list[torch.Tensor]]:
@@ -148,12 +206,19 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
     device."""
     if not callable(fn):
         raise ScoreModError(f"score_mod must be callable, got {type(fn).__name__}")
-    walk = Walk(fn)
     if not _eager and torch.compiler.is_compiling():
         # torch.compile records the call: the lookup (and a trace) runs eagerly, at its trace
         # time (Dynamo cannot run the tracer); the captures come from the walk it records
+        walk = Walk(fn)
         name, positions, names = _trace_while_compiling(fn, str(device))
         return ScoreMod(fn, registered(name), [walk.tensors[i] for i in positions], list(names))
+    plain = type(fn) is types.FunctionType
+    if plain:  # the same function, its captures in the same slots: no walk (~1 µs)
+        entry = _GUARDED.get(id(fn))
+        mod = None if entry is None else entry.mod(fn, device)
+        if mod is not None:
+            return mod
+    walk = Walk(fn, record=plain)
     key = walk.key
     structure = _STRUCTURES.get(key)
     if structure is None or structure.positions is None:
@@ -162,8 +227,25 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
             _STRUCTURES[key] = structure
             while len(_STRUCTURES) > MAX_STRUCTURES:
                 _STRUCTURES.popitem(last=False)
+        _remember_guards(fn, walk, structure)
         return ScoreMod(fn, structure.compiled, tensors, structure.names)
-    tensors = [walk.tensors[i] for i in structure.positions]
+    _remember_guards(fn, walk, structure)
+    return _with_tensors(fn, structure, [walk.tensors[i] for i in structure.positions], device)
+
+
+def _remember_guards(fn, walk: Walk, structure: _Structure) -> None:
+    if walk.guards is None or structure.positions is None:
+        return
+    entry = _Guarded(fn, walk.guards, structure, [walk.tensors[i] for i in structure.positions])
+    with _LOCK:
+        _GUARDED.pop(id(fn), None)  # re-inserted last: the oldest go first below
+        _GUARDED[id(fn)] = entry
+        while len(_GUARDED) > MAX_STRUCTURES:
+            del _GUARDED[next(iter(_GUARDED))]
+
+
+def _with_tensors(fn, structure: _Structure, tensors: list, device) -> ScoreMod:
+    """The ScoreMod of a known structure with this call's captures, each on `device`."""
     for t, name in zip(tensors, structure.names, strict=True):
         if t.device != device:
             raise ScoreModError(

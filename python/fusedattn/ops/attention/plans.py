@@ -116,12 +116,11 @@ def flex_key(key, q, attn_mask, block_mask, score_mod):
         return None, None, None
     try:
         bm = None if block_mask is None else as_block_mask(block_mask, q.device)
-        mod = None if score_mod is None else prepare_score_mod(score_mod, q.device)
+        # _eager: api.attention asks for a plan only when not tracing (no compile check)
+        mod = None if score_mod is None else prepare_score_mod(score_mod, q.device, _eager=True)
     except (TypeError, ValueError, RuntimeError):
         return None, None, None
-    mod_key = None
-    if mod is not None:
-        mod_key = (mod.name, *map(meta, mod.tensors))
+    mod_key = None if mod is None else (mod.name, *mod.layouts)  # layouts: meta's fields
     return (
         key, None if bm is None else bm.metadata(), mod_key,
         torch.are_deterministic_algorithms_enabled(),
@@ -170,10 +169,16 @@ class FlexPlan:
             visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
             attn_mask, shift = shift_float_mask(attn_mask, visible)
         seed = custom_ops.dropout_seed(self.dropout_p, q.device)  # (the layout: the kernels')
-        out, lse = flex.eager(
-            (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None),
-            (0, 0, *self.scalars, seed), bm, mod, self.autograd, self.template,
-        )  # fmt: skip
+        if self.autograd:
+            out, lse = flex.eager(
+                (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None),
+                (0, 0, *self.scalars, seed), bm, mod, True, self.template,
+            )  # fmt: skip
+        else:  # flex.eager's inference branch, one call shorter
+            out, lse, _ = custom_ops._attention_forward(
+                q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None, 0, 0,
+                *self.scalars, seed, "triton", template=self.template, block=bm, mod=mod,
+            )  # fmt: skip
         if not self.return_lse:
             return out
         return out, lse if shift is None else lse + shift.float()

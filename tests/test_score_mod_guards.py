@@ -1,0 +1,215 @@
+"""score_mod's guards (issue #84, the host cost of a cached mod): a call with the same function
+object checks the slots its last walk read (closure cells, globals, its code and defaults)
+instead of walking it again. Whatever changes, prepare() must give what a full walk gives:
+the same traced graph, the same capture objects, the same names, the same refusals.
+
+Host-side only (prepare() traces; no kernel runs): each case changes one thing a walk reads
+and compares the guarded answer with a fresh walk's.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fusedattn
+import fusedattn.score_mod as score_mod_package
+from fusedattn.score_mod import ScoreModError
+from fusedattn.score_mod.captures import Walk
+
+CPU = torch.device("cpu")
+
+
+def _walked(fn):
+    """What a full walk gives now (the guarded entry dropped first)."""
+    score_mod_package._GUARDED.pop(id(fn), None)
+    return score_mod_package.prepare(fn, CPU)
+
+
+def _same(a, b) -> None:
+    assert a.compiled is b.compiled
+    assert len(a.tensors) == len(b.tensors)
+    assert all(x is y for x, y in zip(a.tensors, b.tensors, strict=True))
+    assert a.names == b.names
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """Counts full walks (captures.Walk built by prepare)."""
+    count = []
+
+    class Counting(Walk):
+        __slots__ = ()
+
+        def __init__(self, *args, **kwargs):
+            count.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(score_mod_package, "Walk", Counting)
+    return count
+
+
+def _closure(table, alpha):
+    """A mod over a closure cell holding a tensor and one holding a float, with setters."""
+
+    def mod(s, b, h, q, kv):
+        return s * alpha + table[h, q - kv + 9]
+
+    def set_table(t):
+        nonlocal table
+        table = t
+
+    def set_alpha(a):
+        nonlocal alpha
+        alpha = a
+
+    return mod, set_table, set_alpha
+
+
+def test_the_same_function_is_walked_once_while_its_slots_hold(walks):
+    table = torch.randn(2, 20)
+    mod, _, _ = _closure(table, 0.5)
+    first = score_mod_package.prepare(mod, CPU)
+    for _ in range(3):
+        _same(score_mod_package.prepare(mod, CPU), first)
+    assert len(walks) == 1
+
+
+def test_a_rebound_cell_is_seen_tensor_dtype_and_scalar(walks):
+    mod, set_table, set_alpha = _closure(torch.randn(2, 20), 0.5)
+    first = score_mod_package.prepare(mod, CPU)
+    new = torch.randn(2, 20)
+    set_table(new)  # same layout, new tensor: the same graph, the new capture
+    got = score_mod_package.prepare(mod, CPU)
+    assert got.tensors[0] is new and got.compiled is first.compiled
+    _same(got, _walked(mod))
+    set_table(new.double())  # another dtype: another graph (its load casts)
+    got = score_mod_package.prepare(mod, CPU)
+    assert got.compiled is not first.compiled
+    _same(got, _walked(mod))
+    set_alpha(0.25)  # a scalar is a constant of the graph
+    got = score_mod_package.prepare(mod, CPU)
+    assert "0.25" in got.name
+    _same(got, _walked(mod))
+
+
+def test_a_capture_changed_in_place_is_seen():
+    table = torch.randn(2, 20)
+    mod, _, _ = _closure(table, 0.5)
+    first = score_mod_package.prepare(mod, CPU)
+    table.data = torch.randn(2, 20, dtype=torch.float64)  # same object, another dtype
+    got = score_mod_package.prepare(mod, CPU)
+    assert got.compiled is not first.compiled
+    _same(got, _walked(mod))
+    table.requires_grad_()  # the key holds requires_grad: checked, not assumed
+    _same(score_mod_package.prepare(mod, CPU), _walked(mod))
+
+
+def test_globals_code_defaults_and_helpers_are_guarded():
+    space = {"torch": torch, "table": torch.randn(2, 20), "helper": lambda x: x * 2}
+    exec(
+        "def mod(s, b, h, q, kv, off=9):\n"
+        "    return helper(s) + table[h, abs(q - kv) + off]\n"
+        "def other(s, b, h, q, kv, off=9):\n"
+        "    return helper(s) - table[h, abs(q - kv) + off]\n",
+        space,
+    )
+    mod = space["mod"]
+    first = score_mod_package.prepare(mod, CPU)
+    space["table"] = new = torch.randn(2, 20)  # a rebound global
+    got = score_mod_package.prepare(mod, CPU)
+    assert got.tensors[0] is new
+    _same(got, _walked(mod))
+    space["helper"] = lambda x: x * 3  # a rebound helper function
+    got = score_mod_package.prepare(mod, CPU)
+    assert got.compiled is not first.compiled
+    _same(got, _walked(mod))
+    space["abs"] = lambda x: x  # a global that shadows a builtin now
+    got = score_mod_package.prepare(mod, CPU)
+    assert "abs" not in got.name
+    _same(got, _walked(mod))
+    mod.__defaults__ = (4,)  # new defaults
+    got = score_mod_package.prepare(mod, CPU)
+    _same(got, _walked(mod))
+    mod.__code__ = space["other"].__code__  # new code
+    got = score_mod_package.prepare(mod, CPU)
+    assert "sub" in got.name
+    _same(got, _walked(mod))
+
+
+def test_containers_and_objects_are_walked_on_every_call(walks):
+    """A list's items (or a module's parameters) change with no slot changing."""
+    tables = [torch.randn(2, 20)]
+
+    def listed(s, b, h, q, kv):
+        return s + tables[0][h, q - kv + 9]
+
+    score_mod_package.prepare(listed, CPU)
+    tables[0] = new = torch.randn(2, 20)
+    assert score_mod_package.prepare(listed, CPU).tensors[0] is new
+    module = torch.nn.Module()
+    module.bias = torch.nn.Parameter(torch.randn(2, 20))
+
+    def from_module(s, b, h, q, kv):
+        return s + module.bias[h, q - kv + 9]
+
+    score_mod_package.prepare(from_module, CPU)
+    module.bias = new = torch.nn.Parameter(torch.randn(2, 20))
+    assert score_mod_package.prepare(from_module, CPU).tensors[0] is new
+    assert len(walks) == 4
+
+
+def test_the_guards_keep_no_capture_alive():
+    table = torch.randn(2, 20)
+    mod, set_table, _ = _closure(table, 0.5)
+    score_mod_package.prepare(mod, CPU)
+    ref = weakref.ref(table)
+    del table
+    set_table(torch.randn(2, 20))
+    gc.collect()
+    assert ref() is None
+    mod, _, _ = _closure(torch.randn(2, 20), 0.5)  # an old entry of a dead function
+    score_mod_package.prepare(mod, CPU)
+    entry = score_mod_package._GUARDED[id(mod)]
+    del mod
+    gc.collect()
+    assert entry.fn() is None and all(r() is None for r in entry.captures)
+
+
+def test_a_capture_on_another_device_is_refused_after_a_guarded_call():
+    table = torch.randn(2, 20)
+    mod, set_table, _ = _closure(table, 0.5)
+    score_mod_package.prepare(mod, CPU)
+    with pytest.raises(ScoreModError, match="captured tensor `table` is on cpu"):
+        score_mod_package.prepare(mod, torch.device("meta"))
+    set_table(torch.empty(2, 20, device="meta"))
+    with pytest.raises(ScoreModError, match="captured tensor `table` is on meta"):
+        score_mod_package.prepare(mod, CPU)
+
+
+@pytest.mark.kernels
+def test_a_planned_call_reads_a_rebound_capture(kernel_device):
+    """End to end on the Triton kernels: the same function over two calls (the second
+    planned and guarded), its table rebound between them."""
+    device = torch.get_default_device()
+    q, k, v = (torch.randn(1, 2, 10, 16, device=device) for _ in range(3))
+    mod, set_table, _ = _closure(torch.randn(2, 20, device=device), 0.5)
+    for _ in range(2):
+        table = torch.randn(2, 20, device=device)
+        set_table(table)
+        got = fusedattn.attention(q, k, v, score_mod=mod, backend="triton")
+        want = fusedattn.reference.attention(q.double(), k.double(), v.double(),
+                                             score_mod=mod)  # fmt: skip
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_captures_layout_is_a_plans_meta():
+    """ScoreMod.layouts stand for ops/core/plans.meta in a flex plan's key."""
+    from fusedattn.ops.core.plans import meta
+
+    base = torch.randn(4, 6, dtype=torch.float64)
+    for t in (base, base[:, 1:], base.t(), base.float().requires_grad_(), torch.randn(())):
+        assert score_mod_package.capture_layout(t) == meta(t)
