@@ -321,3 +321,23 @@ def test_a_prepared_launch_puts_each_calls_keyword_values_in_their_places(fake_t
     path, _, args, constexprs = uncached.log[-1]
     assert path == "triton" and args[0] is x
     assert constexprs["LISTS"] is lists2 and constexprs["MOD_ARGS"][0] is table2
+
+
+@pytest.mark.parametrize("places", [(3,), (2, 3, 4), (2, 3, 4, 8), (0,), (9,), (0, 1, 9)])
+def test_with_values_joins_the_pieces_around_each_run_of_places(places):
+    """Prepared.with_values builds the launcher's arguments by tuple concatenation around
+    runs of adjacent per-call places (a block mask's three lists are one run): the result
+    must be rest with each place replaced, wherever the runs fall."""
+    received = []
+    rest = tuple(range(10))
+    names = tuple(f"K{p}" for p in places)
+    prepared = triton_launch.Prepared(None, None, (), {}, lambda *a: received.append(a), rest,
+                                      None, names, places)  # fmt: skip
+    values = tuple(f"value {p}" for p in places)
+    prepared.with_values(("x",), values)
+    want = list(rest)
+    for place, value in zip(places, values, strict=True):
+        want[place] = value
+    assert received == [("x", *want)]
+    with pytest.raises(ValueError, match="per-call values"):
+        prepared.with_values(("x",), values[:-1])

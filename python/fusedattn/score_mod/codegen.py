@@ -57,15 +57,15 @@ def layout(captures, grads) -> tuple[list[int], list[int]]:
     return bases, grad_bases
 
 
-def arguments(tensors, grad_buffers) -> tuple:
+def arguments(tensors, grad_buffers=None) -> tuple:
     """The A tuple of one call: tensors in capture order, grad_buffers (None where a capture
-    has none) likewise."""
+    has none; None: no capture has one) likewise."""
     args = []
     for t in tensors:
         args.append(t)
         args.extend(t.shape)
         args.extend(t.stride())
-    for g in grad_buffers:
+    for g in grad_buffers or ():
         if g is not None:
             args.append(g)
             args.extend(g.stride())

@@ -296,7 +296,7 @@ class EagerFlexAttention(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, seed)
         ctx.rest, ctx.block, ctx.mod = (max_q, max_k, tuple(scalars)), block, mod
-        ctx.mod_wanted = tuple(t.requires_grad for t in mod_tensors)
+        ctx.mod_wanted = tuple(t.requires_grad for t in mod_tensors) if mod_tensors else ()
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         ctx.set_materialize_grads(False)  # an unread lse's gradient stays None: no dlse term
         return out, lse
@@ -311,8 +311,9 @@ class EagerFlexAttention(torch.autograd.Function):
         )
         if dout is None:
             dout = torch.zeros_like(out)
-        wanted = tuple(w and n for w, n in zip(ctx.mod_wanted, ctx.needs_input_grad[13:],
-                                               strict=True))  # fmt: skip
+        wanted = ctx.mod_wanted and tuple(
+            w and n for w, n in zip(ctx.mod_wanted, ctx.needs_input_grad[13:], strict=True)
+        )  # fmt: skip
         dq, dk, dv, dscores, dsinks, grads = _backward(
             dout, q, k, v, out, lse, attn_mask, kpm, slopes, sinks, cu_q, cu_k, max_q, max_k,
             ctx.block, ctx.mod, wanted, scalars, seed, mask_grad, dlse, launch=ctx.launch,

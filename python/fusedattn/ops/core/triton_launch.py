@@ -245,13 +245,29 @@ class Prepared:
     strides), as it fixes the tensors'."""
 
     __slots__ = ("constexprs", "grid", "kernel", "launcher", "names", "places", "rest",
-                 "runner", "scalars")  # fmt: skip
+                 "runner", "runs", "scalars", "segments")  # fmt: skip
 
     def __init__(self, kernel, grid, scalars: tuple, constexprs: dict, runner, rest,
                  launcher=None, names: tuple = (), places: tuple = ()):  # fmt: skip
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, grid, scalars, constexprs
         self.runner, self.rest, self.launcher = runner, rest, launcher
         self.names, self.places = names, places
+        # rest cut around the runs of adjacent per-call places (a block mask's three lists are
+        # one run, a mod's captures another): a call joins the pieces and its values (tuple
+        # concatenation: 0.3-0.6 µs less than copying rest to a list per launch); segments
+        # (the pieces), runs ((first, last + 1) in values per run)
+        self.segments = self.runs = None
+        if runner is not None and places and list(places) == sorted(set(places)):
+            runs, first = [], 0
+            for i in range(1, len(places) + 1):
+                if i == len(places) or places[i] != places[i - 1] + 1:
+                    runs.append((first, i))
+                    first = i
+            bounds = [(-1, -1)] + [(places[a], places[b - 1]) for a, b in runs]
+            bounds.append((len(rest), len(rest)))
+            self.segments = tuple(rest[bounds[j][1] + 1:bounds[j + 1][0]]
+                                  for j in range(len(bounds) - 1))  # fmt: skip
+            self.runs = tuple(runs)
 
     def __call__(self, *tensors) -> None:
         launcher = self.launcher
@@ -272,9 +288,21 @@ class Prepared:
             per_call = dict(zip(self.names, values, strict=True))
             launch(self.kernel, self.grid, (*tensors, *self.scalars), self.constexprs, per_call)
             return
-        rest = list(self.rest)
-        for place, value in zip(self.places, values, strict=True):
-            rest[place] = value
+        segments = self.segments
+        if segments is not None:
+            if len(values) != len(self.places):
+                raise ValueError(f"{len(values)} per-call values for {self.names}")
+            if len(segments) == 2:  # one run (a mask's lists, or a mod's captures)
+                rest = segments[0] + values + segments[1]
+            else:
+                rest, i = segments[0], 1
+                for a, b in self.runs:
+                    rest = rest + values[a:b] + segments[i]
+                    i += 1
+        else:
+            rest = list(self.rest)
+            for place, value in zip(self.places, values, strict=True):
+                rest[place] = value
         launcher = self.launcher
         if launcher is not None:
             hooks = _triton[2].runtime
