@@ -23,6 +23,14 @@ from fusedattn.score_mod.captures import Walk
 CPU = torch.device("cpu")
 
 
+def _primed(fn):
+    """prepare(fn) until its guards are recorded (at its second walk), -> the ScoreMod."""
+    score_mod_package.prepare(fn, CPU)
+    mod = score_mod_package.prepare(fn, CPU)
+    assert id(fn) in score_mod_package._GUARDED
+    return mod
+
+
 def _walked(fn):
     """What a full walk gives now (the guarded entry dropped first)."""
     score_mod_package._GUARDED.pop(id(fn), None)
@@ -69,27 +77,37 @@ def _closure(table, alpha):
     return mod, set_table, set_alpha
 
 
-def test_the_same_function_is_walked_once_while_its_slots_hold(walks):
+def test_the_same_function_is_walked_twice_while_its_slots_hold(walks):
+    """Its guards are recorded at its second walk (a mod defined anew in each forward is
+    walked once: recording its guards would cost that call more than it saves)."""
     table = torch.randn(2, 20)
     mod, _, _ = _closure(table, 0.5)
     first = score_mod_package.prepare(mod, CPU)
+    assert id(mod) not in score_mod_package._GUARDED
     for _ in range(3):
         _same(score_mod_package.prepare(mod, CPU), first)
-    assert len(walks) == 1
+    assert len(walks) == 2
+    for _ in range(3):  # new closures of the same code: one walk each, no guards kept
+        fresh, _, _ = _closure(table, 0.5)
+        _same(score_mod_package.prepare(fresh, CPU), first)
+        assert id(fresh) not in score_mod_package._GUARDED
+    assert len(walks) == 5
 
 
 def test_a_rebound_cell_is_seen_tensor_dtype_and_scalar(walks):
     mod, set_table, set_alpha = _closure(torch.randn(2, 20), 0.5)
-    first = score_mod_package.prepare(mod, CPU)
+    first = _primed(mod)
     new = torch.randn(2, 20)
     set_table(new)  # same layout, new tensor: the same graph, the new capture
     got = score_mod_package.prepare(mod, CPU)
     assert got.tensors[0] is new and got.compiled is first.compiled
     _same(got, _walked(mod))
+    _primed(mod)
     set_table(new.double())  # another dtype: another graph (its load casts)
     got = score_mod_package.prepare(mod, CPU)
     assert got.compiled is not first.compiled
     _same(got, _walked(mod))
+    _primed(mod)
     set_alpha(0.25)  # a scalar is a constant of the graph
     got = score_mod_package.prepare(mod, CPU)
     assert "0.25" in got.name
@@ -99,11 +117,12 @@ def test_a_rebound_cell_is_seen_tensor_dtype_and_scalar(walks):
 def test_a_capture_changed_in_place_is_seen():
     table = torch.randn(2, 20)
     mod, _, _ = _closure(table, 0.5)
-    first = score_mod_package.prepare(mod, CPU)
+    first = _primed(mod)
     table.data = torch.randn(2, 20, dtype=torch.float64)  # same object, another dtype
     got = score_mod_package.prepare(mod, CPU)
     assert got.compiled is not first.compiled
     _same(got, _walked(mod))
+    _primed(mod)
     table.requires_grad_()  # the key holds requires_grad: checked, not assumed
     _same(score_mod_package.prepare(mod, CPU), _walked(mod))
 
@@ -118,22 +137,26 @@ def test_globals_code_defaults_and_helpers_are_guarded():
         space,
     )
     mod = space["mod"]
-    first = score_mod_package.prepare(mod, CPU)
+    first = _primed(mod)
     space["table"] = new = torch.randn(2, 20)  # a rebound global
     got = score_mod_package.prepare(mod, CPU)
     assert got.tensors[0] is new
     _same(got, _walked(mod))
+    _primed(mod)
     space["helper"] = lambda x: x * 3  # a rebound helper function
     got = score_mod_package.prepare(mod, CPU)
     assert got.compiled is not first.compiled
     _same(got, _walked(mod))
+    _primed(mod)
     space["abs"] = lambda x: x  # a global that shadows a builtin now
     got = score_mod_package.prepare(mod, CPU)
     assert "abs" not in got.name
     _same(got, _walked(mod))
+    _primed(mod)
     mod.__defaults__ = (4,)  # new defaults
     got = score_mod_package.prepare(mod, CPU)
     _same(got, _walked(mod))
+    _primed(mod)
     mod.__code__ = space["other"].__code__  # new code
     got = score_mod_package.prepare(mod, CPU)
     assert "sub" in got.name
@@ -148,6 +171,8 @@ def test_containers_and_objects_are_walked_on_every_call(walks):
         return s + tables[0][h, q - kv + 9]
 
     score_mod_package.prepare(listed, CPU)
+    score_mod_package.prepare(listed, CPU)
+    assert id(listed) not in score_mod_package._GUARDED
     tables[0] = new = torch.randn(2, 20)
     assert score_mod_package.prepare(listed, CPU).tensors[0] is new
     module = torch.nn.Module()
@@ -157,22 +182,23 @@ def test_containers_and_objects_are_walked_on_every_call(walks):
         return s + module.bias[h, q - kv + 9]
 
     score_mod_package.prepare(from_module, CPU)
+    score_mod_package.prepare(from_module, CPU)
     module.bias = new = torch.nn.Parameter(torch.randn(2, 20))
     assert score_mod_package.prepare(from_module, CPU).tensors[0] is new
-    assert len(walks) == 4
+    assert len(walks) == 6
 
 
 def test_the_guards_keep_no_capture_alive():
     table = torch.randn(2, 20)
     mod, set_table, _ = _closure(table, 0.5)
-    score_mod_package.prepare(mod, CPU)
+    _primed(mod)
     ref = weakref.ref(table)
     del table
     set_table(torch.randn(2, 20))
     gc.collect()
     assert ref() is None
     mod, _, _ = _closure(torch.randn(2, 20), 0.5)  # an old entry of a dead function
-    score_mod_package.prepare(mod, CPU)
+    _primed(mod)
     entry = score_mod_package._GUARDED[id(mod)]
     del mod
     gc.collect()
@@ -182,9 +208,10 @@ def test_the_guards_keep_no_capture_alive():
 def test_a_capture_on_another_device_is_refused_after_a_guarded_call():
     table = torch.randn(2, 20)
     mod, set_table, _ = _closure(table, 0.5)
-    score_mod_package.prepare(mod, CPU)
+    _primed(mod)
     with pytest.raises(ScoreModError, match="captured tensor `table` is on cpu"):
         score_mod_package.prepare(mod, torch.device("meta"))
+    _primed(mod)
     set_table(torch.empty(2, 20, device="meta"))
     with pytest.raises(ScoreModError, match="captured tensor `table` is on meta"):
         score_mod_package.prepare(mod, CPU)
@@ -192,12 +219,12 @@ def test_a_capture_on_another_device_is_refused_after_a_guarded_call():
 
 @pytest.mark.kernels
 def test_a_planned_call_reads_a_rebound_capture(kernel_device):
-    """End to end on the Triton kernels: the same function over two calls (the second
-    planned and guarded), its table rebound between them."""
+    """End to end on the Triton kernels: the same function over three calls (the second
+    planned, the third guarded too), its table rebound before each."""
     device = torch.get_default_device()
     q, k, v = (torch.randn(1, 2, 10, 16, device=device) for _ in range(3))
     mod, set_table, _ = _closure(torch.randn(2, 20, device=device), 0.5)
-    for _ in range(2):
+    for _ in range(3):
         table = torch.randn(2, 20, device=device)
         set_table(table)
         got = fusedattn.attention(q, k, v, score_mod=mod, backend="triton")

@@ -85,6 +85,7 @@ class _Structure:
 _STRUCTURES: collections.OrderedDict = collections.OrderedDict()
 # id(function) -> _Guarded: plain functions whose captures the slot checks vouch for
 _GUARDED: dict = {}
+_WALKED: dict = {}  # id(function) -> weakref: functions walked once (_walked_before)
 _LOCK = threading.Lock()
 # graph text -> its _Compiled, for the custom ops (torch.compile records a string)
 _BY_NAME: dict[str, _Compiled] = {}
@@ -212,13 +213,14 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
         walk = Walk(fn)
         name, positions, names = _trace_while_compiling(fn, str(device))
         return ScoreMod(fn, registered(name), [walk.tensors[i] for i in positions], list(names))
-    plain = type(fn) is types.FunctionType
-    if plain:  # the same function, its captures in the same slots: no walk (~1 µs)
-        entry = _GUARDED.get(id(fn))
+    record = False
+    if type(fn) is types.FunctionType:
+        entry = _GUARDED.get(id(fn))  # the same function, its captures in the same slots
         mod = None if entry is None else entry.mod(fn, device)
         if mod is not None:
             return mod
-    walk = Walk(fn, record=plain)
+        record = _walked_before(fn)
+    walk = Walk(fn, record=record)
     key = walk.key
     structure = _STRUCTURES.get(key)
     if structure is None or structure.positions is None:
@@ -231,6 +233,20 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
         return ScoreMod(fn, structure.compiled, tensors, structure.names)
     _remember_guards(fn, walk, structure)
     return _with_tensors(fn, structure, [walk.tensors[i] for i in structure.positions], device)
+
+
+def _walked_before(fn) -> bool:
+    """Whether fn was walked before (and is now again): its guards are recorded from its
+    second walk on, so a mod that a forward defines anew each call (a new function object
+    every time) pays one weak reference for them, not the recording (17.6k instructions a
+    forward when every walk recorded, 2026-12-07)."""
+    ref = _WALKED.get(id(fn))
+    if ref is not None and ref() is fn:
+        return True
+    if len(_WALKED) >= MAX_STRUCTURES:
+        _WALKED.clear()  # (a function dropped here is recorded at its next two walks)
+    _WALKED[id(fn)] = weakref.ref(fn)
+    return False
 
 
 def _remember_guards(fn, walk: Walk, structure: _Structure) -> None:
