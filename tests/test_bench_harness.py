@@ -799,3 +799,39 @@ def test_static_mla_screen_lays_out_the_kernels_parameters(monkeypatch):
                            if k not in ("num_warps", "num_stages")}  # fmt: skip
             bound = signature.bind(*args, **kernel_args)
             assert set(bound.arguments) == set(signature.parameters), name
+
+
+def test_host_instructions_reads_the_last_dumps_as_its_cases(tmp_path, monkeypatch):
+    """host_instructions.py runs itself under callgrind (not here: no valgrind run in the
+    suite) and reads one dump per case, the last ones (torch calls functools.reduce at
+    import too): faked dumps, the counts per call and the ratios to the plain call."""
+    import argparse
+    import subprocess
+
+    import host_instructions
+
+    names = ["fwd plain", "fwd block_mask:causal16", "fwd+bwd plain", "fwd+bwd block_mask:causal16"]
+
+    real_run = subprocess.run
+
+    def fake_valgrind(cmd, **kwargs):
+        if cmd[0] != "valgrind":  # git, for the environment's columns
+            return real_run(cmd, **kwargs)
+        out = Path(next(a for a in cmd if a.startswith("--callgrind-out-file=")).split("=")[1])
+        for i, total in enumerate((5, 7, 1000, 1300, 4000, 5200), start=1):  # 2 at import
+            out.with_name(f"{out.name}.{i}").write_text(f"events: Ir\nsummary: {total * 100}\n")
+        return subprocess.CompletedProcess(cmd, 0, "CASES\t" + "\t".join(names) + "\n", "")
+
+    monkeypatch.setattr(host_instructions.shutil, "which", lambda name: "/usr/bin/valgrind")
+    monkeypatch.setattr(host_instructions.subprocess, "run", fake_valgrind)
+    args = argparse.Namespace(sm90_tool="tool.py", calls=100, label="@x", out=tmp_path)
+    assert host_instructions.parent(args) == 0
+    rows = harness.read_csv(tmp_path / "host_instructions.csv")
+    got = {(r["mode"], r["mask"]): r["note"].split(",")[0] for r in rows}
+    assert got == {
+        ("fwd", ""): "1000 instructions per call (callgrind)",
+        ("fwd", "block_mask:causal16"): "1300 instructions per call (callgrind)",
+        ("fwd+bwd", ""): "4000 instructions per call (callgrind)",
+        ("fwd+bwd", "block_mask:causal16"): "5200 instructions per call (callgrind)",
+    }
+    assert "1.300x the plain call" in rows[1]["note"] and rows[1]["impl"] == "fusedattn-triton@x"
