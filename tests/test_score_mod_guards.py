@@ -240,3 +240,13 @@ def test_a_captures_layout_is_a_plans_meta():
     base = torch.randn(4, 6, dtype=torch.float64)
     for t in (base, base[:, 1:], base.t(), base.float().requires_grad_(), torch.randn(())):
         assert score_mod_package.capture_layout(t) == meta(t)
+
+
+def test_the_compile_time_lookup_finds_a_structure_the_cache_dropped():
+    """torch.compile's lookup (_trace_while_compiling) reads the structure cache; a guarded
+    function whose structure was dropped from it (least recently used) is walked again."""
+    mod, _, _ = _closure(torch.randn(2, 20), 0.5)
+    _primed(mod)
+    score_mod_package._STRUCTURES.clear()
+    name, positions, names = score_mod_package._trace_while_compiling(mod, "cpu")
+    assert positions == (0,) and names == ("table",) and "load" in name

@@ -288,6 +288,7 @@ def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple
     keeps. A mod defined inside the compiled function cannot be handed over this way
     (Dynamo does not turn its closure cells into constants)."""
     walk = Walk(fn)
+    _GUARDED.pop(id(fn), None)  # the full path: it puts the structure back in _STRUCTURES
     mod = prepare(fn, torch.device(device), _eager=True)
     structure = _STRUCTURES.get(walk.key)
     if structure is None or structure.positions is None:
