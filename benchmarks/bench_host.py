@@ -519,11 +519,8 @@ def main(argv=None) -> int:
             print("launch cache differs from Triton's path: " + ", ".join(problems))
             return 1
     rows = run(args)
-    if args.out:
-        path = args.out / "host.csv"
-        if path.exists():  # several checkouts into one file
-            rows = harness.read_csv(path) + rows
-        print(f"wrote {harness.write_csv(rows, path)}")
+    if args.out:  # several checkouts into one file
+        print(f"wrote {harness.append_csv(rows, args.out / 'host.csv')}")
     return 0
 
 

@@ -295,6 +295,15 @@ def write_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def append_csv(rows: list[dict], path: Path) -> Path:
+    """write_csv after the rows the file already holds (several checkouts into one file:
+    bench_host.py, host_instructions.py)."""
+    path = Path(path)
+    if path.exists():
+        rows = read_csv(path) + rows
+    return write_csv(rows, path)
+
+
 # A family's rows also go to its CSV as each one is measured, so a run that a time limit stops
 # (gpu_check.sh's steps run under `timeout`) keeps every row it finished: the H100 run of
 # 2026-11-26 lost a whole attention family's T=1024 rows that way (the CSV was written at

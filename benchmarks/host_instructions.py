@@ -129,11 +129,8 @@ def parent(args) -> int:
             "plain call; compiled for sm_90, driver launch stubbed",
         ))  # fmt: skip
         print(f"  {name:<32} {count:10.0f} instructions/call  {count / plain:6.3f}x plain")
-    if args.out:
-        path = args.out / "host_instructions.csv"
-        if path.exists():  # several checkouts into one file
-            rows = harness.read_csv(path) + rows
-        print(f"wrote {harness.write_csv(rows, path)}")
+    if args.out:  # several checkouts into one file
+        print(f"wrote {harness.append_csv(rows, args.out / 'host_instructions.csv')}")
     return 0
 
 

@@ -73,11 +73,11 @@ def _scalars_only(v) -> bool:
 
 class Guards:
     """The slots one walk read and the object it found in each, per function it walked:
-    (weakref to the function, its __code__, its number of defaults, strong slots, weak
-    slots), a slot being (kind, cell index / global name / default index, object). Functions
-    and tensors are held by weak reference and every slot is reached through its function,
-    so the guards keep no capture alive; scalars, scalar tuples, classes and Python modules
-    and builtin functions are held as they are."""
+    (weakref to the function, its __code__, its number of defaults, slots), a slot being
+    (kind, cell index / global name / default index, object, whether the object is held by
+    weak reference). Functions and tensors are held weakly and every slot is reached through
+    its function, so the guards keep no capture alive; scalars, scalar tuples, classes,
+    Python modules and builtin functions are held as they are."""
 
     __slots__ = ("functions",)
 
@@ -88,7 +88,7 @@ class Guards:
         """Whether every slot still holds the object the walk found there (about 0.1 µs a
         slot on the CPU machine)."""
         try:
-            for ref, code, defaults_count, strong, weak in self.functions:
+            for ref, code, defaults_count, slots in self.functions:
                 fn = ref()
                 if fn is None or fn.__code__ is not code or fn.__kwdefaults__ is not None:
                     return False
@@ -96,23 +96,14 @@ class Guards:
                 if (0 if defaults is None else len(defaults)) != defaults_count:
                     return False
                 cells, namespace = fn.__closure__, fn.__globals__
-                for kind, where, value in strong:
+                for kind, where, value, weak in slots:
                     if kind == _CELL:
                         found = cells[where].cell_contents
                     elif kind == _GLOBAL:
                         found = namespace.get(where, _MISSING)
                     else:
                         found = defaults[where]
-                    if found is not value:
-                        return False
-                for kind, where, value in weak:
-                    if kind == _CELL:
-                        found = cells[where].cell_contents
-                    elif kind == _GLOBAL:
-                        found = namespace.get(where, _MISSING)
-                    else:
-                        found = defaults[where]
-                    if found is not value():
+                    if found is not (value() if weak else value):
                         return False
         except ValueError:  # a cell emptied since (`del name` in the enclosing function)
             return False
@@ -260,7 +251,7 @@ class Walk:
             if fn.__kwdefaults__ is not None:  # a dict: its entries can change
                 self.guards = None
             else:
-                record = (weakref.ref(fn), code, 0 if defaults is None else len(defaults), [], [])
+                record = (weakref.ref(fn), code, 0 if defaults is None else len(defaults), [])
                 self.guards.functions.append(record)
         cells = fn.__closure__ or ()
         for i, (var, cell) in enumerate(zip(code.co_freevars, cells, strict=True)):
@@ -296,8 +287,8 @@ class Walk:
             or isinstance(value, type)
             or (type(value) in (types.ModuleType, types.BuiltinFunctionType))
         ):
-            record[3].append((kind, where, value))
+            record[3].append((kind, where, value, False))
         elif isinstance(value, torch.Tensor) or type(value) is types.FunctionType:
-            record[4].append((kind, where, weakref.ref(value)))
+            record[3].append((kind, where, weakref.ref(value), True))
         else:  # a container or an object: the walk drops the guards when it meets it
             self.guards = None
