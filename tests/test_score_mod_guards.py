@@ -250,3 +250,42 @@ def test_the_compile_time_lookup_finds_a_structure_the_cache_dropped():
     score_mod_package._STRUCTURES.clear()
     name, positions, names = score_mod_package._trace_while_compiling(mod, "cpu")
     assert positions == (0,) and names == ("table",) and "load" in name
+
+
+class _Base:
+    scale = 2.0
+
+
+class _Config(_Base):
+    pass
+
+
+def test_a_scalar_a_class_or_module_holds_is_part_of_the_structure():
+    """`Config.scale` or `module.alpha` read by a mod is a constant of its trace: a new
+    value is a new structure, through the walk and through the guards (a class attribute,
+    one inherited and then shadowed, a module attribute); before 2026-12-07 the walk keyed
+    a class or module by its identity alone and a changed value kept the old trace."""
+    import types
+
+    space = types.ModuleType("settings")
+    space.alpha = 1.0
+
+    def mod(s, b, h, q, kv):
+        return s * _Config.scale + space.alpha
+
+    first = _primed(mod)
+    assert "2.0" in first.name and "1.0" in first.name
+    changes = ((lambda: setattr(_Base, "scale", 0.5), "0.5"),
+               (lambda: setattr(_Config, "scale", 3.0), "3.0"),
+               (lambda: setattr(space, "alpha", 0.25), "0.25"))  # fmt: skip
+    try:
+        for change, constant in changes:
+            change()
+            got = score_mod_package.prepare(mod, CPU)  # the guards' answer
+            assert constant in got.name, (constant, got.name)
+            _same(got, _walked(mod))  # the walk's
+            _primed(mod)
+    finally:
+        _Base.scale = 2.0
+        if "scale" in vars(_Config):
+            del _Config.scale

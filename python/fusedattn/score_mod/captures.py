@@ -5,10 +5,12 @@ its defaults, a bound method's object, a partial's arguments, nn.Modules' parame
 and public attributes, lists, tuples and dicts, nested functions (the helpers a mod calls).
 The walk gives
 
-- the structure key: code objects, Python scalars by value, tensors by (dtype, rank,
-  requires_grad, whether an offset passes 2^31) only, so the cache never holds a tensor
-  value and a new value in a captured tensor is the same key (read by pointer: no new trace, no recompile), while a new scalar
-  value (a constant of the generated code) is a new key;
+- the structure key: code objects, Python scalars by value (the scalars a class or a Python
+  module holds under a name the code reads, `Config.scale`, included), tensors by (dtype,
+  rank, requires_grad, whether an offset passes 2^31) only, so the cache never holds a
+  tensor value and a new value in a captured tensor is the same key (read by pointer: no
+  new trace, no recompile), while a new scalar value (a constant of the generated code) is
+  a new key;
 - the tensors it reached, in a fixed order, and a name for each (`bias`, `self.table`) for the
   error messages.
 
@@ -64,7 +66,19 @@ def tensor_key(t: torch.Tensor) -> tuple:
 
 
 _MISSING = object()  # a global the code names but the module does not hold (yet)
-_CELL, _GLOBAL, _DEFAULT = 0, 1, 2  # the kinds of slot a walk reads in a function
+_CELL, _GLOBAL, _DEFAULT, _ATTRIBUTE = 0, 1, 2, 3  # the kinds of slot a walk reads
+
+
+def static_attribute(holder, name: str):
+    """What a class (through its MRO) or a Python module stores under `name`, read without
+    running any descriptor; _MISSING if nothing."""
+    if type(holder) is types.ModuleType:
+        return vars(holder).get(name, _MISSING)
+    for klass in holder.__mro__:
+        found = vars(klass).get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return _MISSING
 
 
 def _scalars_only(v) -> bool:
@@ -101,8 +115,10 @@ class Guards:
                         found = cells[where].cell_contents
                     elif kind == _GLOBAL:
                         found = namespace.get(where, _MISSING)
-                    else:
+                    elif kind == _DEFAULT:
                         found = defaults[where]
+                    else:  # a scalar a class or module holds: where = (holder, name)
+                        found = static_attribute(*where)
                     if found is not (value() if weak else value):
                         return False
         except ValueError:  # a cell emptied since (`del name` in the enclosing function)
@@ -253,6 +269,7 @@ class Walk:
             else:
                 record = (weakref.ref(fn), code, 0 if defaults is None else len(defaults), [])
                 self.guards.functions.append(record)
+        names = _global_names(code)  # globals, and the attribute names the code reads
         cells = fn.__closure__ or ()
         for i, (var, cell) in enumerate(zip(code.co_freevars, cells, strict=True)):
             try:
@@ -263,19 +280,35 @@ class Walk:
                 continue
             self._slot(record, _CELL, i, contents)
             self._value(contents, var, depth)
+            self._attributes(record, contents, names)
         namespace = fn.__globals__
-        for var in _global_names(code):
+        for var in names:
             value = namespace.get(var, _MISSING)
             self._slot(record, _GLOBAL, var, value)
             if value is not _MISSING:
                 key.append(var)
                 self._value(value, var, depth)
+                self._attributes(record, value, names)
         if defaults:
             for i, item in enumerate(defaults):
                 self._slot(record, _DEFAULT, i, item)
+                self._attributes(record, item, names)
             self._value(defaults, f"{name}.__defaults__", depth)
         if fn.__kwdefaults__:
             self._value(fn.__kwdefaults__, f"{name}.__kwdefaults__", depth)
+
+    def _attributes(self, record, holder, names: tuple[str, ...]) -> None:
+        """The scalars a class or Python module holds under a name the code reads
+        (`Config.scale`, `math.pi`): the trace makes them constants, so they enter the key
+        (a new value is a new structure, as a captured scalar's) and the guards."""
+        if not (isinstance(holder, type) or type(holder) is types.ModuleType):
+            return
+        for attribute in names:
+            value = static_attribute(holder, attribute)
+            if value is not _MISSING and _scalars_only(value):
+                self._key.append(("attribute", attribute, value))
+                if self.guards is not None and record is not None:
+                    record[3].append((_ATTRIBUTE, (holder, attribute), value, False))
 
     def _slot(self, record, kind: int, where, value) -> None:
         """Guard one slot of a function being walked (record: its Guards entry)."""
