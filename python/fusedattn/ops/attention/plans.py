@@ -169,16 +169,10 @@ class FlexPlan:
             visible = visible_keys(key_padding_mask, self.window, q.shape[2], k.shape[2], q.device)
             attn_mask, shift = shift_float_mask(attn_mask, visible)
         seed = custom_ops.dropout_seed(self.dropout_p, q.device)  # (the layout: the kernels')
-        if self.autograd:
-            out, lse = flex.eager(
-                (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None),
-                (0, 0, *self.scalars, seed), bm, mod, True, self.template,
-            )  # fmt: skip
-        else:  # flex.eager's inference branch, one call shorter
-            out, lse, _ = custom_ops._attention_forward(
-                q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None, 0, 0,
-                *self.scalars, seed, "triton", template=self.template, block=bm, mod=mod,
-            )  # fmt: skip
+        out, lse = flex.eager(
+            (q, k, v, attn_mask, key_padding_mask, alibi_slopes, sinks, None, None),
+            (0, 0, *self.scalars, seed), bm, mod, self.autograd, self.template,
+        )  # fmt: skip
         if not self.return_lse:
             return out
         return out, lse if shift is None else lse + shift.float()
