@@ -289,3 +289,78 @@ def test_a_scalar_a_class_or_module_holds_is_part_of_the_structure():
         _Base.scale = 2.0
         if "scale" in vars(_Config):
             del _Config.scale
+
+
+class _Held:
+    scale = 2.0
+
+
+_SOFTCAP = 4.0  # a global the forward of an nn.Module mod reads
+
+
+class _ConfigObject:
+    def __init__(self):
+        self.scale = 2.0
+
+
+class _ModuleMod(torch.nn.Module):
+    bias_scale = 2.0  # a class attribute read through self
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = _ConfigObject()  # an object attribute (a model's config)
+        self.table = torch.randn(2, 20)  # a plain tensor attribute: a named capture
+
+    def forward(self, s, b, h, q, kv):
+        return (s * self.cfg.scale + _SOFTCAP) * self.bias_scale + self.table[h, q - kv + 9]
+
+
+def _set_softcap(value):
+    global _SOFTCAP
+    _SOFTCAP = value
+
+
+def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure():
+    """The holders the walk meets anywhere key their read scalars, not only those in a
+    function's own slots: a class inside a tuple, a class a Python module holds
+    (`settings.Chained.scale`, a name no global shadows), and an nn.Module mod's forward
+    globals, class attributes and config object. Before 2026-12-08 each of these kept the
+    old trace's constant when the value changed (a silent wrong answer)."""
+    import types
+
+    held = (_Held,)
+    space = types.ModuleType("settings")
+    space.Chained = type("Chained", (), {"scale": 2.0})
+    assert "Chained" not in globals()
+
+    def in_tuple(s, b, h, q, kv):
+        return s * held[0].scale
+
+    def in_module(s, b, h, q, kv):
+        return s * space.Chained.scale
+
+    module_mod = _ModuleMod()
+    cases = (  # (mod, change, constant the new graph holds, whether the guards serve it)
+        (in_tuple, lambda: setattr(_Held, "scale", 0.375), "0.375", False),  # walked
+        (in_module, lambda: setattr(space.Chained, "scale", 0.625), "0.625", True),
+        (in_module, lambda: setattr(space, "Chained", type("C", (), {"scale": 1.125})),
+         "1.125", True),
+        (module_mod, lambda: _set_softcap(0.875), "0.875", False),
+        (module_mod, lambda: setattr(_ModuleMod, "bias_scale", 1.375), "1.375", False),
+        (module_mod, lambda: setattr(module_mod.cfg, "scale", 1.625), "1.625", False),
+        (module_mod.forward, lambda: setattr(module_mod.cfg, "scale", 1.875), "1.875", False),
+    )  # fmt: skip
+    try:
+        for mod, change, constant, guarded in cases:
+            before = _primed(mod) if guarded else score_mod_package.prepare(mod, CPU)
+            assert constant not in before.name
+            change()
+            got = score_mod_package.prepare(mod, CPU)
+            assert constant in got.name, (constant, got.name)
+            assert got.compiled is not before.compiled
+            _same(got, _walked(mod))
+        assert [n.split(".")[-1] for n in got.names] == ["table"]
+        assert got.tensors[0] is module_mod.table
+    finally:
+        _Held.scale = _ModuleMod.bias_scale = 2.0
+        _set_softcap(4.0)

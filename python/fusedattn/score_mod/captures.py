@@ -1,12 +1,13 @@
 """What a score_mod closes over, found again on every call without tracing it again.
 
 A call walks the callable's reachable state: its closure cells, the globals its code names,
-its defaults, a bound method's object, a partial's arguments, nn.Modules' parameters, buffers
-and public attributes, lists, tuples and dicts, nested functions (the helpers a mod calls).
-The walk gives
+its defaults, a bound method's object, a partial's arguments, nn.Modules' forward,
+parameters, buffers and public attributes, lists, tuples and dicts, nested functions (the
+helpers a mod calls). The walk gives
 
 - the structure key: code objects, Python scalars by value (the scalars a class or a Python
-  module holds under a name the code reads, `Config.scale`, included), tensors by (dtype,
+  module met anywhere in the walk holds under a name some code walked reads, `Config.scale`,
+  `settings.Config.scale`, an nn.Module's class attribute, included), tensors by (dtype,
   rank, requires_grad, whether an offset passes 2^31) only, so the cache never holds a
   tensor value and a new value in a captured tensor is the same key (read by pointer: no
   new trace, no recompile), while a new scalar value (a constant of the generated code) is
@@ -33,6 +34,7 @@ changing, so a mod that reaches one is walked on every call.
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 import weakref
 
@@ -66,7 +68,7 @@ def tensor_key(t: torch.Tensor) -> tuple:
 
 
 _MISSING = object()  # a global the code names but the module does not hold (yet)
-_CELL, _GLOBAL, _DEFAULT, _ATTRIBUTE = 0, 1, 2, 3  # the kinds of slot a walk reads
+_CELL, _GLOBAL, _DEFAULT = 0, 1, 2  # the kinds of slot a function's walk reads
 
 
 def static_attribute(holder, name: str):
@@ -89,14 +91,17 @@ class Guards:
     """The slots one walk read and the object it found in each, per function it walked:
     (weakref to the function, its __code__, its number of defaults, slots), a slot being
     (kind, cell index / global name / default index, object, whether the object is held by
-    weak reference). Functions and tensors are held weakly and every slot is reached through
-    its function, so the guards keep no capture alive; scalars, scalar tuples, classes,
-    Python modules and builtin functions are held as they are."""
+    weak reference); and attributes, (holder, name, object) per scalar, class or Python
+    module that a class or Python module holds under a name the code reads. Functions and
+    tensors are held weakly and every slot is reached through its function, so the guards
+    keep no capture alive; scalars, scalar tuples, classes, Python modules and builtin
+    functions are held as they are."""
 
-    __slots__ = ("functions",)
+    __slots__ = ("attributes", "functions")
 
     def __init__(self):
         self.functions: list = []
+        self.attributes: list = []
 
     def unchanged(self) -> bool:
         """Whether every slot still holds the object the walk found there (about 0.1 µs a
@@ -115,12 +120,13 @@ class Guards:
                         found = cells[where].cell_contents
                     elif kind == _GLOBAL:
                         found = namespace.get(where, _MISSING)
-                    elif kind == _DEFAULT:
+                    else:
                         found = defaults[where]
-                    else:  # a scalar a class or module holds: where = (holder, name)
-                        found = static_attribute(*where)
                     if found is not (value() if weak else value):
                         return False
+            for holder, name, value in self.attributes:
+                if static_attribute(holder, name) is not value:
+                    return False
         except ValueError:  # a cell emptied since (`del name` in the enclosing function)
             return False
         return True
@@ -149,7 +155,7 @@ class Walk:
     for (a list, a dict, an nn.Module, another object, a bound method, a partial, a
     keyword default, an empty cell, a walk cut short)."""
 
-    __slots__ = ("_items", "_key", "_seen", "guards", "names", "tensors")
+    __slots__ = ("_holders", "_items", "_key", "_read", "_seen", "guards", "names", "tensors")
 
     def __init__(self, fn, record: bool = False):
         self._key: list = []
@@ -158,7 +164,13 @@ class Walk:
         self._seen: dict[int, int] = {}
         self._items = 0
         self.guards = Guards() if record else None
+        # the classes and Python modules met anywhere (and the classes of the objects and
+        # nn.Modules walked), and the names every code walked reads: their attributes are
+        # keyed once the whole walk has given both (_holder_attributes)
+        self._holders: dict[int, object] = {}
+        self._read: list[tuple[str, ...]] = []  # per function walked
         self._value(fn, getattr(fn, "__name__", "score_mod"), 0)
+        self._holder_attributes()
 
     @property
     def key(self) -> tuple:
@@ -204,9 +216,11 @@ class Walk:
             return
         if t is types.ModuleType:
             key.append(("pymodule", v.__name__))
+            self._holders[id(v)] = v
             return
         if isinstance(v, type):
             key.append(("class", v))
+            self._holders[id(v)] = v
             return
         if t is types.BuiltinFunctionType:  # torch.tanh, math.exp: no state of their own
             key.append(("value", t, v))
@@ -234,17 +248,22 @@ class Walk:
                     self._value(item, f"{name}[{k!r}]", depth)
         elif isinstance(v, torch.nn.Module):
             key.append(("module", t))
+            self._holders[id(t)] = t  # class attributes its code reads (softcap = 30.0)
+            forward = getattr(t, "forward", None)
+            if type(forward) is types.FunctionType:  # its globals, helpers, defaults
+                self._value(forward, f"{name}.forward", depth)
             d = v.__dict__
             for group in ("_parameters", "_buffers", "_modules"):
                 for k, item in d[group].items():
                     key.append(k)
                     self._value(item, f"{name}.{k}", depth)
-            for k, item in d.items():  # public scalar attributes (num_heads, scale, ...)
-                if not k.startswith("_") and type(item) in _SCALARS:
+            for k, item in d.items():  # public attributes (num_heads, self.config, ...)
+                if not k.startswith("_"):
                     key.append(k)
-                    key.append(item)
+                    self._value(item, f"{name}.{k}", depth)
         elif hasattr(v, "__dict__") and not callable(getattr(type(v), "__get__", None)):
             key.append(("object", t))
+            self._holders[id(t)] = t  # class attributes read through the instance
             if callable(v) and t.__call__ is not object.__call__:
                 self._value(t.__call__, f"{name}.__call__", depth)
             for k, item in vars(v).items():
@@ -270,6 +289,7 @@ class Walk:
                 record = (weakref.ref(fn), code, 0 if defaults is None else len(defaults), [])
                 self.guards.functions.append(record)
         names = _global_names(code)  # globals, and the attribute names the code reads
+        self._read.append(names)
         cells = fn.__closure__ or ()
         for i, (var, cell) in enumerate(zip(code.co_freevars, cells, strict=True)):
             try:
@@ -280,7 +300,6 @@ class Walk:
                 continue
             self._slot(record, _CELL, i, contents)
             self._value(contents, var, depth)
-            self._attributes(record, contents, names)
         namespace = fn.__globals__
         for var in names:
             value = namespace.get(var, _MISSING)
@@ -288,27 +307,44 @@ class Walk:
             if value is not _MISSING:
                 key.append(var)
                 self._value(value, var, depth)
-                self._attributes(record, value, names)
         if defaults:
             for i, item in enumerate(defaults):
                 self._slot(record, _DEFAULT, i, item)
-                self._attributes(record, item, names)
             self._value(defaults, f"{name}.__defaults__", depth)
         if fn.__kwdefaults__:
             self._value(fn.__kwdefaults__, f"{name}.__kwdefaults__", depth)
 
-    def _attributes(self, record, holder, names: tuple[str, ...]) -> None:
-        """The scalars a class or Python module holds under a name the code reads
-        (`Config.scale`, `math.pi`): the trace makes them constants, so they enter the key
-        (a new value is a new structure, as a captured scalar's) and the guards."""
-        if not (isinstance(holder, type) or type(holder) is types.ModuleType):
+    def _holder_attributes(self) -> None:
+        """The scalars a class or Python module met anywhere in the walk holds under a name
+        some code walked reads (`Config.scale`, `math.pi`, `cfgs[0].scale`, `self.cfg.scale`
+        with cfg a class, an nn.Module's class attribute): the trace makes them constants,
+        so they enter the key (a new value is a new structure, as a captured scalar's) and
+        the guards; and the classes and modules such a holder holds under a read name
+        (`settings.Config.scale`), whose own attributes follow the same way."""
+        if not self._holders:
             return
-        for attribute in names:
-            value = static_attribute(holder, attribute)
-            if value is not _MISSING and _scalars_only(value):
+        read = self._read  # one tuple per function walked: usually one
+        names = read[0] if len(read) == 1 else tuple(dict.fromkeys(itertools.chain(*read)))
+        holders = list(self._holders.values())
+        i = 0
+        while i < len(holders):  # grows as holders are found inside holders
+            holder = holders[i]
+            i += 1
+            for attribute in names:
+                value = static_attribute(holder, attribute)
+                if value is _MISSING or value is holder:
+                    continue
+                if type(value) in _SCALARS:
+                    pass
+                elif isinstance(value, type) or type(value) is types.ModuleType:
+                    if id(value) not in self._holders:
+                        self._holders[id(value)] = value
+                        holders.append(value)
+                elif not _scalars_only(value):
+                    continue
                 self._key.append(("attribute", attribute, value))
-                if self.guards is not None and record is not None:
-                    record[3].append((_ATTRIBUTE, (holder, attribute), value, False))
+                if self.guards is not None:
+                    self.guards.attributes.append((holder, attribute, value))
 
     def _slot(self, record, kind: int, where, value) -> None:
         """Guard one slot of a function being walked (record: its Guards entry)."""
