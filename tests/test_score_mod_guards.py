@@ -315,17 +315,30 @@ class _ModuleMod(torch.nn.Module):
         return (s * self.cfg.scale + _SOFTCAP) * self.bias_scale + self.table[h, q - kv + 9]
 
 
+class _HoldsObject:
+    inner = _ConfigObject()  # an object a class holds (Config.inner.scale)
+    table = torch.randn(2, 20)  # a tensor a class holds: a capture, found by the walk
+
+
+class _CallableMod:
+    scale = 2.0  # a class attribute a callable object's __call__ reads through self
+
+    def __call__(self, s, b, h, q, kv):
+        return s * self.scale
+
+
 def _set_softcap(value):
     global _SOFTCAP
     _SOFTCAP = value
 
 
-def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure():
+def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure(monkeypatch):
     """The holders the walk meets anywhere key their read scalars, not only those in a
     function's own slots: a class inside a tuple, a class a Python module holds
-    (`settings.Chained.scale`, a name no global shadows), and an nn.Module mod's forward
-    globals, class attributes and config object. Before 2026-12-08 each of these kept the
-    old trace's constant when the value changed (a silent wrong answer)."""
+    (`settings.Chained.scale`, a name no global shadows), an object a class holds, and an
+    nn.Module mod's forward globals, class attributes and config object. Before 2026-12-08
+    each of these kept the old trace's constant when the value changed (a silent wrong
+    answer), and a tensor a class holds was traced again on every call."""
     import types
 
     held = (_Held,)
@@ -339,12 +352,20 @@ def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure():
     def in_module(s, b, h, q, kv):
         return s * space.Chained.scale
 
+    def in_class_object(s, b, h, q, kv):  # no tensor: a mod reading one is traced anew
+        return s * _HoldsObject.inner.scale
+
+    def in_class_tensor(s, b, h, q, kv):
+        return s + _HoldsObject.table[h, q - kv + 9]
+
     module_mod = _ModuleMod()
     cases = (  # (mod, change, constant the new graph holds, whether the guards serve it)
         (in_tuple, lambda: setattr(_Held, "scale", 0.375), "0.375", False),  # walked
         (in_module, lambda: setattr(space.Chained, "scale", 0.625), "0.625", True),
         (in_module, lambda: setattr(space, "Chained", type("C", (), {"scale": 1.125})),
          "1.125", True),
+        (in_class_object, lambda: setattr(_HoldsObject.inner, "scale", 0.75), "0.75", False),
+        (_CallableMod(), lambda: setattr(_CallableMod, "scale", 0.8125), "0.8125", False),
         (module_mod, lambda: _set_softcap(0.875), "0.875", False),
         (module_mod, lambda: setattr(_ModuleMod, "bias_scale", 1.375), "1.375", False),
         (module_mod, lambda: setattr(module_mod.cfg, "scale", 1.625), "1.625", False),
@@ -361,6 +382,14 @@ def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure():
             _same(got, _walked(mod))
         assert [n.split(".")[-1] for n in got.names] == ["table"]
         assert got.tensors[0] is module_mod.table
+        first = score_mod_package.prepare(in_class_tensor, CPU)  # a capture the walk finds:
+        assert first.names == ["_HoldsObject.table"]
+        traces = []  # not traced again on every call
+        trace = score_mod_package.trace
+        monkeypatch.setattr(score_mod_package, "trace", lambda *a: traces.append(1) or trace(*a))
+        _HoldsObject.table = new = torch.randn(2, 20)
+        got = score_mod_package.prepare(in_class_tensor, CPU)
+        assert got.tensors[0] is new and got.compiled is first.compiled and not traces
     finally:
-        _Held.scale = _ModuleMod.bias_scale = 2.0
+        _Held.scale = _ModuleMod.bias_scale = _HoldsObject.inner.scale = _CallableMod.scale = 2.0
         _set_softcap(4.0)

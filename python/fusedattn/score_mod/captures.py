@@ -153,7 +153,8 @@ class Walk:
     """One walk of a callable: key (a tuple), tensors and their names; guards (Guards, with
     record=True) the slots it read, None where it met a value a slot check cannot vouch
     for (a list, a dict, an nn.Module, another object, a bound method, a partial, a
-    keyword default, an empty cell, a walk cut short)."""
+    keyword default, an empty cell, a walk cut short, a tensor or object that a class or
+    Python module holds)."""
 
     __slots__ = ("_holders", "_items", "_key", "_read", "_seen", "guards", "names", "tensors")
 
@@ -167,7 +168,7 @@ class Walk:
         # the classes and Python modules met anywhere (and the classes of the objects and
         # nn.Modules walked), and the names every code walked reads: their attributes are
         # keyed once the whole walk has given both (_holder_attributes)
-        self._holders: dict[int, object] = {}
+        self._holders: list = []
         self._read: list[tuple[str, ...]] = []  # per function walked
         self._value(fn, getattr(fn, "__name__", "score_mod"), 0)
         self._holder_attributes()
@@ -216,11 +217,11 @@ class Walk:
             return
         if t is types.ModuleType:
             key.append(("pymodule", v.__name__))
-            self._holders[id(v)] = v
+            self._holders.append(v)  # (unique: _seen)
             return
         if isinstance(v, type):
             key.append(("class", v))
-            self._holders[id(v)] = v
+            self._holders.append(v)
             return
         if t is types.BuiltinFunctionType:  # torch.tanh, math.exp: no state of their own
             key.append(("value", t, v))
@@ -248,7 +249,7 @@ class Walk:
                     self._value(item, f"{name}[{k!r}]", depth)
         elif isinstance(v, torch.nn.Module):
             key.append(("module", t))
-            self._holders[id(t)] = t  # class attributes its code reads (softcap = 30.0)
+            self._hold(t)  # class attributes its code reads (softcap = 30.0)
             forward = getattr(t, "forward", None)
             if type(forward) is types.FunctionType:  # its globals, helpers, defaults
                 self._value(forward, f"{name}.forward", depth)
@@ -263,7 +264,7 @@ class Walk:
                     self._value(item, f"{name}.{k}", depth)
         elif hasattr(v, "__dict__") and not callable(getattr(type(v), "__get__", None)):
             key.append(("object", t))
-            self._holders[id(t)] = t  # class attributes read through the instance
+            self._hold(t)  # class attributes read through the instance
             if callable(v) and t.__call__ is not object.__call__:
                 self._value(t.__call__, f"{name}.__call__", depth)
             for k, item in vars(v).items():
@@ -320,12 +321,14 @@ class Walk:
         with cfg a class, an nn.Module's class attribute): the trace makes them constants,
         so they enter the key (a new value is a new structure, as a captured scalar's) and
         the guards; and the classes and modules such a holder holds under a read name
-        (`settings.Config.scale`), whose own attributes follow the same way."""
-        if not self._holders:
+        (`settings.Config.scale`), whose own attributes follow the same way. A tensor or a
+        plain object held there (`Config.table`, `settings.CONFIG.softcap`) is walked as a
+        closure's would be, and the mod is walked on every call (the guards would hold it)."""
+        holders = self._holders
+        if not holders:
             return
         read = self._read  # one tuple per function walked: usually one
         names = read[0] if len(read) == 1 else tuple(dict.fromkeys(itertools.chain(*read)))
-        holders = list(self._holders.values())
         i = 0
         while i < len(holders):  # grows as holders are found inside holders
             holder = holders[i]
@@ -337,14 +340,25 @@ class Walk:
                 if type(value) in _SCALARS:
                     pass
                 elif isinstance(value, type) or type(value) is types.ModuleType:
-                    if id(value) not in self._holders:
-                        self._holders[id(value)] = value
-                        holders.append(value)
+                    self._hold(value)
+                elif isinstance(value, torch.Tensor) or (
+                    hasattr(value, "__dict__") and not callable(value)
+                ):
+                    self.guards = None
+                    self._key.append(("attribute", attribute))
+                    self._value(value, f"{holder.__name__}.{attribute}", 1)
+                    continue
                 elif not _scalars_only(value):
                     continue
                 self._key.append(("attribute", attribute, value))
                 if self.guards is not None:
                     self.guards.attributes.append((holder, attribute, value))
+
+    def _hold(self, holder) -> None:
+        """A class or Python module whose read attributes _holder_attributes keys (once)."""
+        if id(holder) not in self._seen:
+            self._seen[id(holder)] = -1
+            self._holders.append(holder)
 
     def _slot(self, record, kind: int, where, value) -> None:
         """Guard one slot of a function being walked (record: its Guards entry)."""
