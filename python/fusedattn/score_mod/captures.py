@@ -327,15 +327,24 @@ class Walk:
         holders = self._holders
         if not holders:
             return
-        read = self._read  # one tuple per function walked: usually one
-        names = read[0] if len(read) == 1 else tuple(dict.fromkeys(itertools.chain(*read)))
+        read = self._read  # one tuple per function walked
+        names = frozenset(itertools.chain(*read))
         i = 0
         while i < len(holders):  # grows as holders are found inside holders
             holder = holders[i]
             i += 1
-            for attribute in names:
+            # the read names it holds: a C-level intersection per dict (a helper of torch's
+            # walked reads ~40 names, torch holds ~1500; a loop over names cost 4 holders x
+            # 38 names of static_attribute, 60 us a walk)
+            if type(holder) is types.ModuleType:
+                hits = vars(holder).keys() & names
+            else:
+                hits = set()
+                for klass in holder.__mro__:
+                    hits |= vars(klass).keys() & names
+            for attribute in sorted(hits):
                 value = static_attribute(holder, attribute)
-                if value is _MISSING or value is holder:
+                if value is holder:
                     continue
                 if type(value) in _SCALARS:
                     pass
