@@ -296,6 +296,7 @@ class _Held:
 
 
 _SOFTCAP = 4.0  # a global the forward of an nn.Module mod reads
+_OFFSET = 1.0  # a global a method of that module reads
 
 
 class _ConfigObject:
@@ -312,7 +313,11 @@ class _ModuleMod(torch.nn.Module):
         self.table = torch.randn(2, 20)  # a plain tensor attribute: a named capture
 
     def forward(self, s, b, h, q, kv):
-        return (s * self.cfg.scale + _SOFTCAP) * self.bias_scale + self.table[h, q - kv + 9]
+        scaled = (s * self.cfg.scale + _SOFTCAP) * self.bias_scale
+        return scaled + self.offset() + self.table[h, q - kv + 9]
+
+    def offset(self):  # a helper method: found by its name on the class, walked
+        return _OFFSET
 
 
 class _HoldsObject:
@@ -332,25 +337,40 @@ def _set_softcap(value):
     _SOFTCAP = value
 
 
+def _set_offset(value):
+    global _OFFSET
+    _OFFSET = value
+
+
 def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure(monkeypatch):
     """The holders the walk meets anywhere key their read scalars, not only those in a
     function's own slots: a class inside a tuple, a class a Python module holds
-    (`settings.Chained.scale`, a name no global shadows), an object a class holds, and an
-    nn.Module mod's forward globals, class attributes and config object. Before 2026-12-08
-    each of these kept the old trace's constant when the value changed (a silent wrong
-    answer), and a tensor a class holds was traced again on every call."""
+    (`settings.Chained.scale`, a name no global shadows), a helper function another module
+    holds (its globals, a class it reads), a closure torch made (torch's own module-level
+    functions are keyed by identity, a closure is not), an object a class holds, and an
+    nn.Module mod's forward globals, helper method, class attributes and config object.
+    Before 2026-12-08 each of these kept the old trace's constant when the value changed (a
+    silent wrong answer), and a tensor a class holds was traced again on every call."""
     import types
 
     held = (_Held,)
     space = types.ModuleType("settings")
     space.Chained = type("Chained", (), {"scale": 2.0})
-    assert "Chained" not in globals()
+    space.K, space.Scales = 2.0, type("Scales", (), {"first": 2.0})
+    exec("def softcap(s):\n    return s * K * Scales.first", vars(space))  # another module's
+    assert "Chained" not in globals() and "softcap" not in globals()
 
     def in_tuple(s, b, h, q, kv):
         return s * held[0].scale
 
     def in_module(s, b, h, q, kv):
         return s * space.Chained.scale
+
+    def module_helper(s, b, h, q, kv):
+        return space.softcap(s)
+
+    torch_made, _, set_alpha = _closure(torch.randn(2, 20), 0.5)
+    torch_made.__module__ = "torch.nn.attention.flex_attention"  # as and_masks' closures
 
     def in_class_object(s, b, h, q, kv):  # no tensor: a mod reading one is traced anew
         return s * _HoldsObject.inner.scale
@@ -364,9 +384,13 @@ def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure(monkeypa
         (in_module, lambda: setattr(space.Chained, "scale", 0.625), "0.625", True),
         (in_module, lambda: setattr(space, "Chained", type("C", (), {"scale": 1.125})),
          "1.125", True),
+        (module_helper, lambda: setattr(space, "K", 0.5625), "0.5625", False),
+        (module_helper, lambda: setattr(space.Scales, "first", 0.6875), "0.6875", False),
+        (torch_made, lambda: set_alpha(0.9375), "0.9375", True),
         (in_class_object, lambda: setattr(_HoldsObject.inner, "scale", 0.75), "0.75", False),
         (_CallableMod(), lambda: setattr(_CallableMod, "scale", 0.8125), "0.8125", False),
         (module_mod, lambda: _set_softcap(0.875), "0.875", False),
+        (module_mod, lambda: _set_offset(0.4375), "0.4375", False),
         (module_mod, lambda: setattr(_ModuleMod, "bias_scale", 1.375), "1.375", False),
         (module_mod, lambda: setattr(module_mod.cfg, "scale", 1.625), "1.625", False),
         (module_mod.forward, lambda: setattr(module_mod.cfg, "scale", 1.875), "1.875", False),
@@ -393,3 +417,4 @@ def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure(monkeypa
     finally:
         _Held.scale = _ModuleMod.bias_scale = _HoldsObject.inner.scale = _CallableMod.scale = 2.0
         _set_softcap(4.0)
+        _set_offset(1.0)

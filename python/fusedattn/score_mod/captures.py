@@ -83,6 +83,20 @@ def static_attribute(holder, name: str):
     return _MISSING
 
 
+def _in_torch(module_name) -> bool:
+    """Whether a module of this name is torch's own: it holds no state of a mod's (its
+    attributes are ops, dtypes and constants), so the walk keys it by identity."""
+    return type(module_name) is str and (module_name == "torch" or module_name.startswith("torch."))
+
+
+def _torchs_own(fn: types.FunctionType) -> bool:
+    """Whether fn is one of torch's own module-level Python functions (F.silu, F.relu): the
+    trace's TorchFunctionMode sees it at its entry, and it holds no state of the mod's (its
+    globals are torch's; walking its helpers' cost 35 us a walk). A closure torch made
+    (flex_attention.and_masks(...)) holds the user's functions: walked."""
+    return fn.__closure__ is None and _in_torch(fn.__module__)
+
+
 def _scalars_only(v) -> bool:
     return type(v) in _SCALARS or (type(v) is tuple and all(map(_scalars_only, v)))
 
@@ -207,7 +221,10 @@ class Walk:
         self._seen[id(v)] = -1
         depth += 1
         if t is types.FunctionType:
-            self._function(v, name, depth)
+            if _torchs_own(v):  # an op to the tracer, as a builtin: keyed by identity
+                key.append(("value", t, v))
+            else:
+                self._function(v, name, depth)
             return
         if t is tuple:  # immutable: its items are the ones walked (guarded by their own kinds)
             key.append((t, len(v)))
@@ -217,7 +234,8 @@ class Walk:
             return
         if t is types.ModuleType:
             key.append(("pymodule", v.__name__))
-            self._holders.append(v)  # (unique: _seen)
+            if not _in_torch(v.__name__):  # (torch.tanh's holder: 1.9 us a walk for nothing)
+                self._holders.append(v)  # (unique: _seen)
             return
         if isinstance(v, type):
             key.append(("class", v))
@@ -321,18 +339,22 @@ class Walk:
         with cfg a class, an nn.Module's class attribute): the trace makes them constants,
         so they enter the key (a new value is a new structure, as a captured scalar's) and
         the guards; and the classes and modules such a holder holds under a read name
-        (`settings.Config.scale`), whose own attributes follow the same way. A tensor or a
-        plain object held there (`Config.table`, `settings.CONFIG.softcap`) is walked as a
-        closure's would be, and the mod is walked on every call (the guards would hold it)."""
+        (`settings.Config.scale`), whose own attributes follow the same way. A tensor, a
+        plain object or a Python function held there (`Config.table`,
+        `settings.CONFIG.softcap`, `helpers.softcap(s)`, a method `self.bias(h)`) is walked
+        as a closure's would be, and the mod is walked on every call (the guards would hold
+        it); torch's own functions are keyed by identity (_torchs_own)."""
         holders = self._holders
         if not holders:
             return
         read = self._read  # one tuple per function walked
-        names = frozenset(itertools.chain(*read))
+        names, functions = frozenset(itertools.chain(*read)), len(read)
         i = 0
         while i < len(holders):  # grows as holders are found inside holders
             holder = holders[i]
             i += 1
+            if len(read) != functions:  # a function walked below reads names of its own
+                names, functions = frozenset(itertools.chain(*read)), len(read)
             # the read names it holds: a C-level intersection per dict (a helper of torch's
             # walked reads ~40 names, torch holds ~1500; a loop over names cost 4 holders x
             # 38 names of static_attribute, 60 us a walk)
@@ -350,8 +372,12 @@ class Walk:
                     pass
                 elif isinstance(value, type) or type(value) is types.ModuleType:
                     self._hold(value)
-                elif isinstance(value, torch.Tensor) or (
-                    hasattr(value, "__dict__") and not callable(value)
+                elif type(value) is types.FunctionType and _torchs_own(value):
+                    pass
+                elif (
+                    isinstance(value, torch.Tensor)
+                    or type(value) is types.FunctionType  # a helper, a method read by name
+                    or (hasattr(value, "__dict__") and not callable(value))
                 ):
                     self.guards = None
                     self._key.append(("attribute", attribute))
