@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -418,3 +419,146 @@ def test_a_scalar_read_however_deep_the_holder_is_part_of_the_structure(monkeypa
         _Held.scale = _ModuleMod.bias_scale = _HoldsObject.inner.scale = _CallableMod.scale = 2.0
         _set_softcap(4.0)
         _set_offset(1.0)
+
+
+_SCALE = 2.0  # a global a staticmethod reads
+_GAIN = 1.0  # a global a property reads
+
+
+class _Containers:
+    """What a class can hold that is neither a scalar nor a tensor: each read by a mod."""
+
+    weights: ClassVar[list] = [0.5, 2.0]
+    params: ClassVar[dict] = {"scale": 2.0}
+    k = 2.0
+
+    @staticmethod
+    def scaled(s):
+        return s * _SCALE
+
+    @classmethod
+    def by_class(cls, s):  # reads cls.k: a name only this function reads
+        return s * cls.k
+
+    def helper(self):  # reads self.k on the class: found after the class was checked
+        return self.k
+
+
+class _Slotted:
+    __slots__ = ("__hidden", "scale")
+
+    def __init__(self):
+        self.scale = 2.0
+        self.__hidden = 1.0
+
+    def value(self):
+        return self.scale + self.__hidden
+
+
+class _PrivateModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._alpha = 2.0  # a private float: walked as the public ones
+        self._weights = {"w": 2.0}
+
+    @property
+    def alpha(self):  # computed from a private attribute and a global
+        return self._alpha * _GAIN
+
+    def forward(self, s, b, h, q, kv):
+        return s * self.alpha + self._weights["w"]
+
+
+def _set_scale(value):
+    global _SCALE
+    _SCALE = value
+
+
+def _set_gain(value):
+    global _GAIN
+    _GAIN = value
+
+
+def test_what_a_holder_keeps_in_a_container_descriptor_or_slot_is_part_of_the_structure():
+    """Reads that go through a list or dict a class holds, a staticmethod, a classmethod or
+    helper method reading its class, a property over a private nn.Module attribute, a
+    slotted object (private slot included), an OrderedDict, a defaultdict, a bound C method
+    (`table.__getitem__`), a namedtuple over a list: a new value is a new structure. Before 2026-12-08 each kept the
+    old trace's constant (a silent wrong answer: the walk skipped what a class held unless
+    it was a scalar, tensor, plain object or function, read a module's public attributes
+    only, saw no slots, keyed a dict subclass or bound method by identity)."""
+    import collections
+
+    holds = _Containers()
+    slotted = _Slotted()
+    module_mod = _PrivateModule()
+    ordered = collections.OrderedDict(a=2.0)
+    default = collections.defaultdict(float, a=2.0)
+    table = [2.0]
+    get = table.__getitem__
+    named = collections.namedtuple("Named", "weights")([2.0])  # a tuple subclass over a list
+    mods = {
+        "list": lambda s, b, h, q, kv: s * _Containers.weights[1],
+        "dict": lambda s, b, h, q, kv: s * _Containers.params["scale"],
+        "static": lambda s, b, h, q, kv: _Containers.scaled(s),
+        "classmethod": lambda s, b, h, q, kv: _Containers.by_class(s),
+        "helper": lambda s, b, h, q, kv: s * holds.helper(),
+        "slots": lambda s, b, h, q, kv: s * slotted.value(),
+        "ordered": lambda s, b, h, q, kv: s * ordered["a"],
+        "default": lambda s, b, h, q, kv: s * default["a"],
+        "bound": lambda s, b, h, q, kv: s * get(0),
+        "named": lambda s, b, h, q, kv: s * named.weights[0],
+    }
+    cases = (
+        (mods["list"], lambda: _Containers.weights.__setitem__(1, 0.375), "0.375"),
+        (mods["dict"], lambda: _Containers.params.__setitem__("scale", 0.625), "0.625"),
+        (mods["static"], lambda: _set_scale(0.875), "0.875"),
+        (mods["classmethod"], lambda: setattr(_Containers, "k", 0.8125), "0.8125"),
+        (mods["helper"], lambda: setattr(_Containers, "k", 0.5625), "0.5625"),
+        (mods["slots"], lambda: setattr(slotted, "scale", 0.6875), "1.6875"),  # + 1.0
+        (mods["slots"], lambda: setattr(slotted, "_Slotted__hidden", 0.25), "0.9375"),
+        (module_mod, lambda: setattr(module_mod, "_alpha", 0.4375), "0.4375"),
+        (module_mod, lambda: module_mod._weights.__setitem__("w", 0.3125), "0.3125"),
+        (module_mod, lambda: _set_gain(0.5), "0.21875"),  # 0.4375 * 0.5
+        (mods["ordered"], lambda: ordered.__setitem__("a", 0.1875), "0.1875"),
+        (mods["default"], lambda: default.__setitem__("a", 0.4375), "0.4375"),
+        (mods["bound"], lambda: table.__setitem__(0, 0.8125), "0.8125"),
+        (mods["named"], lambda: named.weights.__setitem__(0, 0.6875), "0.6875"),
+    )  # fmt: skip
+    try:
+        for mod, change, constant in cases:
+            score_mod_package.prepare(mod, CPU)
+            before = score_mod_package.prepare(mod, CPU)
+            assert constant not in before.name, constant
+            change()
+            got = score_mod_package.prepare(mod, CPU)
+            assert constant in got.name, (constant, got.name)
+            assert got.compiled is not before.compiled
+            _same(got, _walked(mod))
+            assert Walk(mod).opaque is None  # read into, not traced again on every call
+    finally:
+        _Containers.weights[1], _Containers.params["scale"], _Containers.k = 2.0, 2.0, 2.0
+        _set_scale(2.0)
+        _set_gain(1.0)
+
+
+def test_a_value_the_walk_cannot_read_into_is_traced_on_every_call(monkeypatch):
+    """A numpy array (no __dict__ or __slots__, not hashable): its contents are not in the
+    key, so the mod is traced again on each call (a changed value is seen) and refused by
+    name under torch.compile, whose graph would keep the first call's constants."""
+    import numpy as np
+
+    values = np.array([2.0, 3.0])
+
+    def mod(s, b, h, q, kv):
+        return s * float(values[0])
+
+    traces = []
+    trace = score_mod_package.trace
+    monkeypatch.setattr(score_mod_package, "trace", lambda *a: traces.append(1) or trace(*a))
+    assert "2.0" in score_mod_package.prepare(mod, CPU).name
+    values[0] = 0.375
+    assert "0.375" in score_mod_package.prepare(mod, CPU).name
+    assert len(traces) == 2 and id(mod) not in score_mod_package._GUARDED
+    with pytest.raises(ScoreModError, match=r"`values` \(ndarray\).*cannot see"):
+        score_mod_package._trace_while_compiling(mod, "cpu")

@@ -198,7 +198,10 @@ def _trace(fn, walk: Walk, device) -> tuple[_Structure, list[torch.Tensor]]:
         compiled = _BY_NAME.get(text)
         if compiled is None:
             compiled = _BY_NAME[text] = _Compiled(output, graph, text, describe_mod(fn), names)
-    return _Structure(compiled, None if -1 in positions else positions, names), tensors
+    # a value the walk cannot read into (walk.opaque) may change with the same key: traced
+    # again on every call, as a capture out of its reach is
+    cached = -1 not in positions and walk.opaque is None
+    return _Structure(compiled, positions if cached else None, names), tensors
 
 
 def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
@@ -291,6 +294,13 @@ def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple
     _GUARDED.pop(id(fn), None)  # the full path: it puts the structure back in _STRUCTURES
     mod = prepare(fn, torch.device(device), _eager=True)
     structure = _STRUCTURES.get(walk.key)
+    if walk.opaque is not None:
+        raise ScoreModError(
+            f"score_mod {mod.description} reads through {walk.opaque}, whose contents the "
+            "walk cannot see (no __dict__ or __slots__, not hashable by value): under "
+            "torch.compile its values would stay the first call's; pass them as a tensor "
+            "or Python scalars, a list or a tuple"
+        )
     if structure is None or structure.positions is None:
         raise ScoreModError(
             f"score_mod {mod.description}: under torch.compile its captured tensors must be "

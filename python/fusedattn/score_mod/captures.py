@@ -1,9 +1,11 @@
 """What a score_mod closes over, found again on every call without tracing it again.
 
 A call walks the callable's reachable state: its closure cells, the globals its code names,
-its defaults, a bound method's object, a partial's arguments, nn.Modules' forward,
-parameters, buffers and public attributes, lists, tuples and dicts, nested functions (the
-helpers a mod calls). The walk gives
+its defaults, a bound method's object (a C method's too: `table.__getitem__`), a partial's
+arguments, nn.Modules' forward, parameters, buffers and own attributes (`self._scale`
+included), lists, tuples and dicts (OrderedDict, namedtuple: their items), objects' __dict__
+and __slots__, nested functions (the helpers a mod calls), static and class methods and
+properties a class holds. The walk gives
 
 - the structure key: code objects, Python scalars by value (the scalars a class or a Python
   module met anywhere in the walk holds under a name some code walked reads, `Config.scale`,
@@ -17,7 +19,8 @@ helpers a mod calls). The walk gives
 
 The trace (tracer.py) records which of those tensors the mod read; later calls with the same
 key take them from the walk by position. A mod that reads a tensor the walk cannot reach
-(made by a helper each call, say) is traced again on every call (correct; slower on the host).
+(made by a helper each call, say), or reaches a value whose contents it cannot read (a numpy
+array, a set: Walk.opaque), is traced again on every call (correct; slower on the host).
 About 2.3 µs for a closure over one tensor and one int on the CPU machine.
 
 A walk that met only functions (Python and builtin), scalars, tensors, tuples of scalars,
@@ -97,6 +100,51 @@ def _torchs_own(fn: types.FunctionType) -> bool:
     return fn.__closure__ is None and _in_torch(fn.__module__)
 
 
+# functions written in C (torch.tanh, math.exp, torch.Tensor.exp, object.__init__): no state
+# of a mod's, keyed and guarded by identity
+_C_FUNCTIONS = frozenset((
+    types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+))  # fmt: skip
+_UNBOUND = frozenset((type(None), types.ModuleType, type))  # such a function's __self__
+
+
+def _c_function(v) -> bool:
+    """Whether v is a C function with no state of a mod's: one bound to an object
+    (`table.__getitem__`, `(2.0).__mul__`) reads that object, and is walked instead."""
+    return type(v) in _C_FUNCTIONS and type(getattr(v, "__self__", None)) in _UNBOUND
+
+
+# an nn.Module's own bookkeeping (hook dicts; parameters, buffers and submodules are walked
+# by name): every other attribute of a module mod is walked, private ones (`self._scale`) too
+_MODULE_INTERNALS = frozenset(k for k in vars(torch.nn.Module()) if k.startswith("_"))
+
+
+_SLOTS: dict[type, tuple] = {}
+
+
+def _slot_names(t: type) -> tuple:
+    """(name, member descriptor) per slot an instance of t has, through its MRO (a
+    `__slots__` class keeps its values there, not in a __dict__ the walk reads); cached for
+    eager calls as _global_names is (functools.lru_cache makes Dynamo warn)."""
+    compiling = torch.compiler.is_compiling()
+    found = None if compiling else _SLOTS.get(t)
+    if found is None:
+        slots = []
+        for klass in t.__mro__:
+            declared = vars(klass).get("__slots__", ())
+            for k in (declared,) if isinstance(declared, str) else declared:
+                if k.startswith("__") and not k.endswith("__"):  # private: stored mangled
+                    k = f"_{klass.__name__.lstrip('_')}{k}"
+                member = vars(klass).get(k)
+                if type(member) is types.MemberDescriptorType:
+                    slots.append((k, member))
+        found = tuple(slots)
+        if not compiling:
+            _SLOTS[t] = found
+    return found
+
+
 def _scalars_only(v) -> bool:
     return type(v) in _SCALARS or (type(v) is tuple and all(map(_scalars_only, v)))
 
@@ -167,10 +215,13 @@ class Walk:
     """One walk of a callable: key (a tuple), tensors and their names; guards (Guards, with
     record=True) the slots it read, None where it met a value a slot check cannot vouch
     for (a list, a dict, an nn.Module, another object, a bound method, a partial, a
-    keyword default, an empty cell, a walk cut short, a tensor or object that a class or
-    Python module holds)."""
+    keyword default, an empty cell, a walk cut short, anything but a scalar, class, module
+    or C function that a class or Python module holds); opaque the first value met whose
+    contents it cannot read (its mod is traced on every call, refused under compile)."""
 
-    __slots__ = ("_holders", "_items", "_key", "_read", "_seen", "guards", "names", "tensors")
+    __slots__ = (
+        "_holders", "_items", "_key", "_read", "_seen", "guards", "names", "opaque", "tensors"
+    )  # fmt: skip
 
     def __init__(self, fn, record: bool = False):
         self._key: list = []
@@ -179,6 +230,7 @@ class Walk:
         self._seen: dict[int, int] = {}
         self._items = 0
         self.guards = Guards() if record else None
+        self.opaque: str | None = None  # the first value met whose contents it cannot read
         # the classes and Python modules met anywhere (and the classes of the objects and
         # nn.Modules walked), and the names every code walked reads: their attributes are
         # keyed once the whole walk has given both (_holder_attributes)
@@ -241,7 +293,8 @@ class Walk:
             key.append(("class", v))
             self._holders.append(v)
             return
-        if t is types.BuiltinFunctionType:  # torch.tanh, math.exp: no state of their own
+        # torch.tanh, math.exp, torch.Tensor.exp: no state of their own (_c_function inline)
+        if t in _C_FUNCTIONS and type(getattr(v, "__self__", None)) in _UNBOUND:
             key.append(("value", t, v))
             return
         self.guards = None  # its contents can change with no slot changing
@@ -249,18 +302,21 @@ class Walk:
             key.append("method")
             self._value(v.__self__, "self", depth)
             self._value(v.__func__, name, depth)
+        elif t in _C_FUNCTIONS or t is types.MethodWrapperType:  # bound: `table.__getitem__`
+            key.append(("method", t, v.__name__))
+            self._value(v.__self__, f"{name}.__self__", depth)
         elif t is functools.partial:
             key.append("partial")
             self._value(v.func, name, depth)
             self._value(v.args, f"{name}.args", depth)
             self._value(v.keywords, f"{name}.keywords", depth)
-        elif t is list:
+        elif isinstance(v, (list, tuple)):  # a list; a namedtuple's or torch.Size's items
             key.append((t, len(v)))
             if len(v) <= MAX_SEQUENCE:
                 for i, item in enumerate(v):
                     self._value(item, f"{name}[{i}]", depth)
-        elif t is dict:
-            key.append((dict, len(v)))
+        elif isinstance(v, dict):  # OrderedDict, defaultdict: their items, not their __dict__
+            key.append((t, len(v)))
             if len(v) <= MAX_SEQUENCE:
                 for k, item in v.items():
                     key.append(k if type(k) in _SCALARS else type(k))
@@ -276,10 +332,16 @@ class Walk:
                 for k, item in d[group].items():
                     key.append(k)
                     self._value(item, f"{name}.{k}", depth)
-            for k, item in d.items():  # public attributes (num_heads, self.config, ...)
-                if not k.startswith("_"):
+            for k, item in d.items():  # its own attributes (num_heads, self._scale, config)
+                if k not in _MODULE_INTERNALS:
                     key.append(k)
                     self._value(item, f"{name}.{k}", depth)
+        elif t is staticmethod or t is classmethod:  # a class's helper read by name
+            key.append(t)
+            self._value(v.__func__, name, depth)
+        elif t is property:  # `self.scale` computed: its getter's reads
+            key.append(t)
+            self._value(v.fget, f"{name}.fget", depth)
         elif hasattr(v, "__dict__") and not callable(getattr(type(v), "__get__", None)):
             key.append(("object", t))
             self._hold(t)  # class attributes read through the instance
@@ -288,12 +350,29 @@ class Walk:
             for k, item in vars(v).items():
                 key.append(k)
                 self._value(item, f"{name}.{k}", depth)
+            self._slots(v, t, name, depth)
+        elif _slot_names(t):  # a slotted object (dataclass(slots=True)): its slots' values
+            key.append(("object", t))
+            self._hold(t)
+            self._slots(v, t, name, depth)
         else:
             try:
                 hash(v)
                 key.append(("value", t, v))
-            except TypeError:
+            except TypeError:  # a numpy array, a set: its contents unseen, traced every call
                 key.append(("opaque", t))
+                if self.opaque is None:
+                    self.opaque = f"`{name}` ({t.__qualname__})"
+
+    def _slots(self, v, t: type, name: str, depth: int) -> None:
+        for k, member in _slot_names(t):
+            try:
+                item = member.__get__(v, t)
+            except AttributeError:  # a slot never assigned
+                self._key.append((k, "unset"))
+                continue
+            self._key.append(k)
+            self._value(item, f"{name}.{k}", depth)
 
     def _function(self, fn, name: str, depth: int) -> None:
         key = self._key
@@ -339,55 +418,64 @@ class Walk:
         with cfg a class, an nn.Module's class attribute): the trace makes them constants,
         so they enter the key (a new value is a new structure, as a captured scalar's) and
         the guards; and the classes and modules such a holder holds under a read name
-        (`settings.Config.scale`), whose own attributes follow the same way. A tensor, a
-        plain object or a Python function held there (`Config.table`,
-        `settings.CONFIG.softcap`, `helpers.softcap(s)`, a method `self.bias(h)`) is walked
+        (`settings.Config.scale`), whose own attributes follow the same way. Anything else
+        held there (`Config.table`, `Config.weights[1]`, `settings.CONFIG.softcap`,
+        `helpers.softcap(s)`, a method `self.bias(h)`, a staticmethod, a property) is walked
         as a closure's would be, and the mod is walked on every call (the guards would hold
         it); torch's own functions are keyed by identity (_torchs_own)."""
         holders = self._holders
         if not holders:
             return
         read = self._read  # one tuple per function walked
-        names, functions = frozenset(itertools.chain(*read)), len(read)
-        i = 0
-        while i < len(holders):  # grows as holders are found inside holders
-            holder = holders[i]
-            i += 1
-            if len(read) != functions:  # a function walked below reads names of its own
+        # rounds until nothing new: a function walked below (a helper method, a
+        # classmethod) reads names of its own, which the holders already checked may hold
+        # (`cls.k`), and a holder found below is checked against every name
+        checked_names, checked_holders, functions = frozenset(), 0, -1
+        while True:
+            if len(read) != functions:
                 names, functions = frozenset(itertools.chain(*read)), len(read)
-            # the read names it holds: a C-level intersection per dict (a helper of torch's
-            # walked reads ~40 names, torch holds ~1500; a loop over names cost 4 holders x
-            # 38 names of static_attribute, 60 us a walk)
-            if type(holder) is types.ModuleType:
-                hits = vars(holder).keys() & names
-            else:
-                hits = set()
-                for klass in holder.__mro__:
-                    hits |= vars(klass).keys() & names
-            for attribute in sorted(hits):
-                value = static_attribute(holder, attribute)
-                if value is holder:
-                    continue
-                if type(value) in _SCALARS:
-                    pass
-                elif isinstance(value, type) or type(value) is types.ModuleType:
+            if checked_holders == len(holders) and names is checked_names:
+                return
+            fresh, end = names - checked_names, len(holders)
+            for i in range(end):
+                wanted = names if i >= checked_holders else fresh
+                if wanted:
+                    self._attributes_of(holders[i], wanted)
+            checked_names, checked_holders = names, end
+
+    def _attributes_of(self, holder, names: frozenset) -> None:
+        """Key (and guard, or walk) what one holder stores under these read names."""
+        # the read names it holds: a C-level intersection per dict (a helper of torch's
+        # walked reads ~40 names, torch holds ~1500; a loop over names cost 4 holders x
+        # 38 names of static_attribute, 60 us a walk)
+        if type(holder) is types.ModuleType:
+            hits = vars(holder).keys() & names
+        else:
+            hits = set()
+            for klass in holder.__mro__:
+                hits |= vars(klass).keys() & names
+        for attribute in sorted(hits):
+            value = static_attribute(holder, attribute)
+            if value is holder:
+                continue
+            t = type(value)
+            if _scalars_only(value) or _c_function(value):
+                pass  # keyed by value (a C function by identity) and guarded
+            elif isinstance(value, type) or t is types.ModuleType:
+                if t is not types.ModuleType or not _in_torch(value.__name__):
                     self._hold(value)
-                elif type(value) is types.FunctionType and _torchs_own(value):
-                    pass
-                elif (
-                    isinstance(value, torch.Tensor)
-                    or type(value) is types.FunctionType  # a helper, a method read by name
-                    or (hasattr(value, "__dict__") and not callable(value))
-                ):
-                    self.guards = None
-                    self._key.append(("attribute", attribute))
-                    self._value(value, f"{holder.__name__}.{attribute}", 1)
-                    continue
-                elif not _scalars_only(value):
-                    continue
-                self._key.append(("attribute", attribute, value))
-                if self.guards is not None:
-                    self.guards.attributes.append((holder, attribute, value))
+            elif t is types.FunctionType and _torchs_own(value):
+                pass
+            elif t is types.MemberDescriptorType or t is types.GetSetDescriptorType:
+                continue  # a slot, a C field: the instance's own values are walked
+            else:  # a tensor, a helper, a list, a dict, an object, a property, ...
+                self.guards = None
+                self._key.append(("attribute", attribute))
+                self._value(value, f"{holder.__name__}.{attribute}", 1)
+                continue
+            self._key.append(("attribute", attribute, value))
+            if self.guards is not None:
+                self.guards.attributes.append((holder, attribute, value))
 
     def _hold(self, holder) -> None:
         """A class or Python module whose read attributes _holder_attributes keys (once)."""
@@ -403,7 +491,8 @@ class Walk:
             value is _MISSING
             or _scalars_only(value)
             or isinstance(value, type)
-            or (type(value) in (types.ModuleType, types.BuiltinFunctionType))
+            or type(value) is types.ModuleType
+            or _c_function(value)
         ):
             record[3].append((kind, where, value, False))
         elif isinstance(value, torch.Tensor) or type(value) is types.FunctionType:
