@@ -559,6 +559,95 @@ def test_a_value_the_walk_cannot_read_into_is_traced_on_every_call(monkeypatch):
     assert "2.0" in score_mod_package.prepare(mod, CPU).name
     values[0] = 0.375
     assert "0.375" in score_mod_package.prepare(mod, CPU).name
-    assert len(traces) == 2 and id(mod) not in score_mod_package._GUARDED
+    assert len(traces) == 2
+    guarded = score_mod_package._GUARDED.get(id(mod))  # (an id a freed mod had is reused)
+    assert guarded is None or guarded.fn() is not mod
     with pytest.raises(ScoreModError, match=r"`values` \(ndarray\).*cannot see"):
         score_mod_package._trace_while_compiling(mod, "cpu")
+
+
+def _past_the_limits(kind):
+    """(mod, change) with mod reading one scalar the walk stops short of (MAX_SEQUENCE,
+    MAX_DEPTH, MAX_ITEMS in captures.py) and change(x) setting it."""
+    from types import SimpleNamespace
+
+    if kind in ("list", "dict"):
+        values = [2.0] * 300 if kind == "list" else dict.fromkeys(range(300), 2.0)
+
+        def mod(s, b, h, q, kv):
+            return s * values[5]
+
+        def change(x):
+            values[5] = x
+
+    elif kind == "tuple":  # rebound to an equal-length tuple: immutable, still unread
+        values = (2.0,) * 300
+
+        def mod(s, b, h, q, kv):
+            return s * values[5]
+
+        def change(x):
+            nonlocal values
+            values = (*values[:5], x, *values[6:])
+
+    elif kind == "deep":
+        root = node = SimpleNamespace()
+        for _ in range(10):
+            node.next = node = SimpleNamespace()
+        node.v = 2.0
+
+        def mod(s, b, h, q, kv):
+            found = root
+            for _ in range(10):
+                found = found.next
+            return s * found.v
+
+        def change(x):
+            node.v = x
+
+    else:  # "many": 20 x 250 objects, past the values a walk visits
+        groups = [[SimpleNamespace(v=2.0) for _ in range(250)] for _ in range(20)]
+
+        def mod(s, b, h, q, kv):
+            return s * groups[19][249].v
+
+        def change(x):
+            groups[19][249].v = x
+
+    return mod, change
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict", "deep", "many"])
+def test_a_value_past_the_walks_limits_is_traced_on_every_call(kind, monkeypatch):
+    """A list, tuple or dict longer than the walk reads, a value deeper or further than it
+    goes: its contents are not in the key, so the mod is traced on every call (the length
+    alone as key kept a changed `values[5]`: 2.4 max error in the interpreter, 31df27e)
+    and refused by name under torch.compile."""
+    mod, change = _past_the_limits(kind)
+    traces = []
+    trace = score_mod_package.trace
+    monkeypatch.setattr(score_mod_package, "trace", lambda *a: traces.append(1) or trace(*a))
+    assert "2.0" in score_mod_package.prepare(mod, CPU).name
+    change(0.375)
+    assert "0.375" in score_mod_package.prepare(mod, CPU).name
+    assert len(traces) == 2
+    guarded = score_mod_package._GUARDED.get(id(mod))  # (an id a freed mod had is reused)
+    assert guarded is None or guarded.fn() is not mod
+    why = "longer than the 256 items" if kind in ("list", "tuple", "dict") else "past the walk"
+    with pytest.raises(ScoreModError, match=why):
+        score_mod_package._trace_while_compiling(mod, "cpu")
+
+
+def test_a_dicts_tuple_keys_are_part_of_the_structure():
+    """Keys of scalars (a tuple (h, kv) included) enter the key by value: by type alone, the
+    same values under swapped keys were the same structure and kept the old constant."""
+    table = {(0, 1): 2.0, (0, 2): 0.375}
+
+    def mod(s, b, h, q, kv):
+        return s * table[(0, 1)]
+
+    assert "2.0" in score_mod_package.prepare(mod, CPU).name
+    table.clear()
+    table.update({(0, 2): 2.0, (0, 1): 0.375})
+    assert "0.375" in score_mod_package.prepare(mod, CPU).name
+    assert Walk(mod).opaque is None  # read into: cached, not traced on every call

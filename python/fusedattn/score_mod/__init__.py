@@ -296,10 +296,9 @@ def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple
     structure = _STRUCTURES.get(walk.key)
     if walk.opaque is not None:
         raise ScoreModError(
-            f"score_mod {mod.description} reads through {walk.opaque}, whose contents the "
-            "walk cannot see (no __dict__ or __slots__, not hashable by value): under "
-            "torch.compile its values would stay the first call's; pass them as a tensor "
-            "or Python scalars, a list or a tuple"
+            f"score_mod {mod.description} reads through {walk.opaque}: under torch.compile "
+            "its values would stay the first call's; pass them as a tensor or a few Python "
+            "scalars, lists or tuples"
         )
     if structure is None or structure.positions is None:
         raise ScoreModError(

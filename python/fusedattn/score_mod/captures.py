@@ -20,7 +20,8 @@ properties a class holds. The walk gives
 The trace (tracer.py) records which of those tensors the mod read; later calls with the same
 key take them from the walk by position. A mod that reads a tensor the walk cannot reach
 (made by a helper each call, say), or reaches a value whose contents it cannot read (a numpy
-array, a set: Walk.opaque), is traced again on every call (correct; slower on the host).
+array, a set) or does not (a list longer than MAX_SEQUENCE, a value past MAX_DEPTH or
+MAX_ITEMS: Walk.opaque), is traced again on every call (correct; slower on the host).
 About 2.3 µs for a closure over one tensor and one int on the CPU machine.
 
 A walk that met only functions (Python and builtin), scalars, tensors, tuples of scalars,
@@ -47,8 +48,10 @@ _SCALARS = frozenset(
     (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 )  # a set: `type(v) in _SCALARS` is one hash, not nine comparisons (every value walked)
 MAX_DEPTH = 6
-MAX_ITEMS = 4096  # values visited per walk: a mod that closes over a whole model stops there
-MAX_SEQUENCE = 256  # longer lists, tuples and dicts enter the key as their length only
+# past these a walk stops reading: the value's contents are not in the key, so the mod is
+# traced on every call and refused under torch.compile (Walk.opaque), as a numpy array is
+MAX_ITEMS = 4096  # values visited per walk (a mod that closes over a whole model)
+MAX_SEQUENCE = 256  # items of one list, tuple or dict
 
 
 _NAMES: dict[types.CodeType, tuple[str, ...]] = {}
@@ -216,8 +219,9 @@ class Walk:
     record=True) the slots it read, None where it met a value a slot check cannot vouch
     for (a list, a dict, an nn.Module, another object, a bound method, a partial, a
     keyword default, an empty cell, a walk cut short, anything but a scalar, class, module
-    or C function that a class or Python module holds); opaque the first value met whose
-    contents it cannot read (its mod is traced on every call, refused under compile)."""
+    or C function that a class or Python module holds); opaque names the first value met
+    whose contents it cannot or does not read (its mod is traced on every call, refused
+    under compile)."""
 
     __slots__ = (
         "_holders", "_items", "_key", "_read", "_seen", "guards", "names", "opaque", "tensors"
@@ -230,7 +234,7 @@ class Walk:
         self._seen: dict[int, int] = {}
         self._items = 0
         self.guards = Guards() if record else None
-        self.opaque: str | None = None  # the first value met whose contents it cannot read
+        self.opaque: str | None = None  # the first value whose contents are not in the key
         # the classes and Python modules met anywhere (and the classes of the objects and
         # nn.Modules walked), and the names every code walked reads: their attributes are
         # keyed once the whole walk has given both (_holder_attributes)
@@ -265,7 +269,7 @@ class Walk:
         self._items += 1
         if depth > MAX_DEPTH or self._items > MAX_ITEMS:
             key.append(("deep", t))
-            self.guards = None
+            self._unread(name, t, f"past the walk's {MAX_DEPTH} levels or {MAX_ITEMS} values")
             return
         if id(v) in self._seen:  # a cycle, or one object reached twice
             key.append(("seen", t))
@@ -279,10 +283,7 @@ class Walk:
                 self._function(v, name, depth)
             return
         if t is tuple:  # immutable: its items are the ones walked (guarded by their own kinds)
-            key.append((t, len(v)))
-            if len(v) <= MAX_SEQUENCE:
-                for i, item in enumerate(v):
-                    self._value(item, f"{name}[{i}]", depth)
+            self._items_of(v, t, name, depth)
             return
         if t is types.ModuleType:
             key.append(("pymodule", v.__name__))
@@ -310,17 +311,8 @@ class Walk:
             self._value(v.func, name, depth)
             self._value(v.args, f"{name}.args", depth)
             self._value(v.keywords, f"{name}.keywords", depth)
-        elif isinstance(v, (list, tuple)):  # a list; a namedtuple's or torch.Size's items
-            key.append((t, len(v)))
-            if len(v) <= MAX_SEQUENCE:
-                for i, item in enumerate(v):
-                    self._value(item, f"{name}[{i}]", depth)
-        elif isinstance(v, dict):  # OrderedDict, defaultdict: their items, not their __dict__
-            key.append((t, len(v)))
-            if len(v) <= MAX_SEQUENCE:
-                for k, item in v.items():
-                    key.append(k if type(k) in _SCALARS else type(k))
-                    self._value(item, f"{name}[{k!r}]", depth)
+        elif isinstance(v, (list, tuple, dict)):  # a namedtuple's, an OrderedDict's items too
+            self._items_of(v, t, name, depth)
         elif isinstance(v, torch.nn.Module):
             key.append(("module", t))
             self._hold(t)  # class attributes its code reads (softcap = 30.0)
@@ -361,8 +353,30 @@ class Walk:
                 key.append(("value", t, v))
             except TypeError:  # a numpy array, a set: its contents unseen, traced every call
                 key.append(("opaque", t))
-                if self.opaque is None:
-                    self.opaque = f"`{name}` ({t.__qualname__})"
+                self._unread(name, t, "whose contents the walk cannot see (no __dict__ or "
+                             "__slots__, not hashable by value)")  # fmt: skip
+
+    def _unread(self, name: str, t: type, why: str) -> None:
+        """A value whose contents are not in the key (a new value there may be the same
+        key): the mod is traced again on every call and refused under torch.compile."""
+        self.guards = None
+        if self.opaque is None:
+            self.opaque = f"`{name}` ({t.__qualname__}), {why}"
+
+    def _items_of(self, v, t: type, name: str, depth: int) -> None:
+        """A list's, tuple's or dict's items (a subclass's too: a namedtuple, an OrderedDict,
+        a defaultdict, their items and not their __dict__); past MAX_SEQUENCE unread."""
+        key = self._key
+        key.append((t, len(v)))
+        if len(v) > MAX_SEQUENCE:  # (the length alone kept a changed weights[5]: 2.4 error)
+            self._unread(name, t, f"longer than the {MAX_SEQUENCE} items a walk reads")
+        elif isinstance(v, dict):
+            for k, item in v.items():  # (a tuple key by type alone: swapped keys kept one)
+                key.append(k if _scalars_only(k) else type(k))
+                self._value(item, f"{name}[{k!r}]", depth)
+        else:
+            for i, item in enumerate(v):
+                self._value(item, f"{name}[{i}]", depth)
 
     def _slots(self, v, t: type, name: str, depth: int) -> None:
         for k, member in _slot_names(t):
