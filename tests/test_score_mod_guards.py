@@ -651,3 +651,75 @@ def test_a_dicts_tuple_keys_are_part_of_the_structure():
     table.update({(0, 2): 2.0, (0, 1): 0.375})
     assert "0.375" in score_mod_package.prepare(mod, CPU).name
     assert Walk(mod).opaque is None  # read into: cached, not traced on every call
+
+
+class _Scale:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class _ScaleA:
+    scale = 2.0
+
+
+class _ScaleB:
+    scale = 0.375
+
+
+class _PicksAnOption(torch.nn.Module):
+    """An nn.Module mod holding its options and the one it uses (met after the options)."""
+
+    def __init__(self):
+        super().__init__()
+        self.options = [_Scale(2.0), _Scale(0.375)]
+        self.current = self.options[0]
+
+    def forward(self, s, b, h, q, kv):
+        return s * self.current.scale
+
+
+def _a_pick_among_met_values(kind):
+    """(mod, pick) with mod reading a scalar through one of several values the walk has
+    already met (its container is read first) and pick(i) choosing which."""
+    if kind == "module":
+        mod = _PicksAnOption()
+
+        def pick(i):
+            mod.current = mod.options[i]
+
+        return mod, pick
+    all_options = {
+        "object": [_Scale(2.0), _Scale(0.375)],
+        "class": (_ScaleA(), _ScaleB()),  # instances: their classes met (held) first
+        "list": [[2.0], [0.375]],
+    }[kind]
+    the_pick = {"object": all_options[0], "class": _ScaleA, "list": all_options[0]}[kind]
+
+    def mod(s, b, h, q, kv):
+        count = len(all_options)  # (cells are walked by name: all_options before the_pick)
+        value = the_pick[0] if kind == "list" else the_pick.scale
+        return s * value + 0 * count
+
+    def pick(i):
+        nonlocal the_pick
+        the_pick = {
+            "object": all_options[i],
+            "class": (_ScaleA, _ScaleB)[i],
+            "list": all_options[i],
+        }[kind]
+
+    return mod, pick
+
+
+@pytest.mark.parametrize("kind", ["object", "class", "list", "module"])
+def test_which_of_the_values_met_before_a_mod_reads_is_part_of_the_structure(kind):
+    """An object, class or list the walk reaches a second time entered the key as its type
+    alone: `cfg = cfgs[1]` after `cfgs` was walked was the key of `cfg = cfgs[0]` and kept
+    its constant (2.12 max error against torch's Flex in the interpreter, 825f6ac). A
+    repeat is keyed by when the walk first met the value."""
+    mod, pick = _a_pick_among_met_values(kind)
+    assert "2.0" in score_mod_package.prepare(mod, CPU).name
+    pick(1)
+    assert "0.375" in score_mod_package.prepare(mod, CPU).name
+    pick(0)
+    assert "2.0" in score_mod_package.prepare(mod, CPU).name

@@ -231,7 +231,7 @@ class Walk:
         self._key: list = []
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
-        self._seen: dict[int, int] = {}
+        self._seen: dict[int, int] = {}  # id -> a tensor's index, or -1 - the order met
         self._items = 0
         self.guards = Guards() if record else None
         self.opaque: str | None = None  # the first value whose contents are not in the key
@@ -271,10 +271,11 @@ class Walk:
             key.append(("deep", t))
             self._unread(name, t, f"past the walk's {MAX_DEPTH} levels or {MAX_ITEMS} values")
             return
-        if id(v) in self._seen:  # a cycle, or one object reached twice
-            key.append(("seen", t))
+        seen = self._seen.get(id(v))
+        if seen is not None:  # a cycle, or one object reached twice: which one, by when it
+            key.append(("seen", seen))  # was first met (by type, `cfg = cfgs[1]` kept cfgs[0]'s)
             return
-        self._seen[id(v)] = -1
+        self._seen[id(v)] = -1 - len(self._seen)  # (tensors: their index, >= 0)
         depth += 1
         if t is types.FunctionType:
             if _torchs_own(v):  # an op to the tracer, as a builtin: keyed by identity
@@ -494,7 +495,7 @@ class Walk:
     def _hold(self, holder) -> None:
         """A class or Python module whose read attributes _holder_attributes keys (once)."""
         if id(holder) not in self._seen:
-            self._seen[id(holder)] = -1
+            self._seen[id(holder)] = -1 - len(self._seen)
             self._holders.append(holder)
 
     def _slot(self, record, kind: int, where, value) -> None:
