@@ -475,6 +475,34 @@ def test_compiled_score_mod_attention_is_one_graph_with_eagers_result_and_gradie
     torch.testing.assert_close(dt_compiled, dt_eager, rtol=1e-6, atol=1e-6)
 
 
+def test_a_compiled_mod_reading_its_captures_shape_follows_a_new_shape():
+    """`table.shape[1] - 1` and `len(lengths)` are constants of the trace. Dynamo's guards
+    on the walk recompile for a rebound tensor, and for one resized in place until its
+    size turns dynamic; past that only the layout check in prepare (a Python condition
+    Dynamo guards on) recompiles: without it the last resize kept the old constants (0.76
+    max error in the interpreter; eager calls kept the first width's at b15203e: 1.17)."""
+    q, k, v = (_randn(1, 2, 24, 16, seed=i) for i in (74, 75, 76))
+    table = lengths = None
+
+    def mod(s, b, h, q, kv):  # a bias clamped to the table's last entry, and a count
+        return s + table[h, torch.clamp(q - kv, 0, table.shape[1] - 1)] + 0.125 * len(lengths)
+
+    compiled = torch.compile(
+        lambda q, k, v: fusedattn.attention(q, k, v, score_mod=mod, backend="triton"),
+        fullgraph=True,
+    )
+    alive = []  # (a freed capture drops Dynamo's cache line: a recompile of its own)
+    for step, (width, count) in enumerate(((8, 2), (20, 2), (13, 5), (31, 7))):
+        if step < 2:
+            table, lengths = _randn(2, width, seed=77 + step), torch.zeros(count)
+            alive.append((table, lengths))
+        else:  # the same objects, resized in place
+            table.resize_(2, width).copy_(_randn(2, width, seed=77 + step))
+            lengths.resize_(count)
+        want = reference.attention(q, k, v, score_mod=mod)
+        torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_compile_time_trace_is_marked_as_torch_marks_a_constant_result():
     def f():
         return 0

@@ -249,8 +249,8 @@ def test_the_compile_time_lookup_finds_a_structure_the_cache_dropped():
     mod, _, _ = _closure(torch.randn(2, 20), 0.5)
     _primed(mod)
     score_mod_package._STRUCTURES.clear()
-    name, positions, names = score_mod_package._trace_while_compiling(mod, "cpu")
-    assert positions == (0,) and names == ("table",) and "load" in name
+    name, positions, names, read = score_mod_package._trace_while_compiling(mod, "cpu")
+    assert positions == (0,) and names == ("table",) and "load" in name and read == ()
 
 
 class _Base:
@@ -723,3 +723,72 @@ def test_which_of_the_values_met_before_a_mod_reads_is_part_of_the_structure(kin
     assert "0.375" in score_mod_package.prepare(mod, CPU).name
     pick(0)
     assert "2.0" in score_mod_package.prepare(mod, CPU).name
+
+
+_LAYOUT_READS = {  # a number the mod reads from a capture's layout, (4, 8) contiguous: 8
+    "shape": lambda t: t.shape[1],
+    "size": lambda t: t.size(-1),
+    "len": lambda t: 2 * len(t),
+    "numel": lambda t: t.numel() // 4,
+    "stride": lambda t: t.stride(0),
+    "is_contiguous": lambda t: 8 if t.is_contiguous() else 5,
+}
+
+
+@pytest.mark.parametrize("read", sorted(_LAYOUT_READS))
+def test_a_captures_layout_the_mod_reads_is_part_of_its_trace(read, monkeypatch):
+    """`table.shape[1]` (a clamp to a table's last entry, say) is a constant of the generated
+    code, and the walk's key holds a capture's dtype and rank only: a table rebound or resized
+    in place to another layout kept the first trace's constant (0.58 and 1.16 max error
+    against torch's Flex in the interpreter, b15203e). The layouts a mod read are checked
+    on every lookup; an unchanged one stays cached."""
+    number = _LAYOUT_READS[read]
+    table = torch.zeros(4, 8)
+
+    def mod(s, b, h, q, kv):
+        return s + number(table)
+
+    def constant_now() -> bool:  # the trace's constant is what the mod reads from table now
+        wanted = f"({float(number(table))},)"
+        return wanted in score_mod_package.prepare(mod, CPU).name
+
+    traces = []
+    trace = score_mod_package.trace
+    monkeypatch.setattr(score_mod_package, "trace", lambda *a: traces.append(1) or trace(*a))
+    assert constant_now()
+    table = torch.ones(4, 8)  # the same layout: the same trace
+    assert constant_now() and len(traces) == 1
+    table = torch.zeros(4, 10)[:, :5] if read in ("stride", "is_contiguous") else torch.zeros(5, 5)
+    assert number(table) != 8 and constant_now() and len(traces) == 2
+    if read not in ("stride", "is_contiguous"):  # resized in place: the same slot and object
+        for shape in ((4, 8), (4, 8), (5, 5)):
+            table.resize_(shape)
+            assert constant_now()
+    guarded = score_mod_package._GUARDED.get(id(mod))
+    assert guarded is None or guarded.fn() is not mod  # walked on every call
+
+
+def test_a_captures_pointer_and_offset_are_refused_in_a_mod():
+    """data_ptr() and storage_offset() as constants would be stale with the next tensor (and
+    torch.compile cannot guard on them): refused by name."""
+    table = torch.zeros(4, 8)
+    for accessor in ("data_ptr", "storage_offset"):
+
+        def mod(s, b, h, q, kv, accessor=accessor):
+            return s + getattr(table, accessor)() % 7
+
+        with pytest.raises(ScoreModError, match=f"`{accessor}` on captured tensors"):
+            score_mod_package.prepare(mod, CPU)
+
+
+def test_a_captures_dtype_or_rank_read_keeps_the_mod_guarded():
+    """What the walk's key holds already (dtype, rank) is no layout read: such a mod keeps
+    its guards (one slot check a call, not a walk)."""
+    table = torch.zeros(4, 8, dtype=torch.float16)
+
+    def mod(s, b, h, q, kv):
+        return (s + table[h, q % 8] * table.dim()).to(table.dtype).float()
+
+    _primed(mod)
+    entry = score_mod_package._GUARDED[id(mod)]
+    assert entry.fn() is mod and entry.mod(mod, CPU) is not None

@@ -2,7 +2,8 @@
 changes each score q·k·scale (float32) before the softmax, as in Flex.
 
 A call's mod is prepared here (`prepare`): its structure (captures.py's walk: code, scalars,
-the dtypes and ranks of captured tensors, never their values) picks a cached trace; a
+the dtypes and ranks of captured tensors, never their values; the shapes and strides the mod
+read of one, `table.shape[1]`, checked apart: _Structure.read) picks a cached trace; a
 structure not seen before is traced once (tracer.py) and written out as a Triton module
 (codegen.py) that the attention kernels call per tile. Captured tensors are read by pointer,
 so a new value in one never traces or compiles again; one that requires grad gets its
@@ -75,11 +76,20 @@ class _Compiled:
 @dataclass
 class _Structure:
     """One walk key's trace: its graph, and where its captures sit in the walk's tensors
-    (None: some capture is out of the walk's reach, so every call traces again)."""
+    (None: some capture is out of the walk's reach, so every call traces again); read:
+    (position in the walk's tensors, read_layout) of each tensor whose shape or strides
+    the mod read (`table.shape[1]`, a constant of the graph: the walk's key holds a
+    tensor's dtype and rank only, so a call whose tensor there has another layout traces
+    again)."""
 
     compiled: _Compiled
     positions: tuple[int, ...] | None
     names: list[str]
+    read: tuple = ()
+
+    def fits(self, tensors: list) -> bool:
+        """Whether this trace holds for a walk's tensors (those it read the layout of)."""
+        return all(read_layout(tensors[i]) == layout for i, layout in self.read)
 
 
 _STRUCTURES: collections.OrderedDict = collections.OrderedDict()
@@ -97,6 +107,12 @@ def capture_layout(t: torch.Tensor) -> tuple:
     a plan's key for a tensor (ops/core/plans.meta; tests/test_score_mod_guards.py checks
     they agree), so a plan keys a mod's captures on ScoreMod.layouts."""
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16 == 0)
+
+
+def read_layout(t: torch.Tensor) -> tuple:
+    """What a mod reading a capture's metadata (`size`, `shape`, `len`, `numel`, `stride`,
+    `is_contiguous`) may make a constant of its graph."""
+    return (tuple(t.shape), tuple(t.stride()))
 
 
 class ScoreMod:
@@ -188,9 +204,10 @@ class _Guarded:
 
 
 def _trace(fn, walk: Walk, device) -> tuple[_Structure, list[torch.Tensor]]:
-    output, graph, tensors = trace(fn, walk.names_by_id(), device)
+    output, graph, tensors, read = trace(fn, walk.names_by_id(), device)
     where = {id(t): i for i, t in enumerate(walk.tensors)}
     positions = tuple(where.get(id(t), -1) for t in tensors)
+    read = tuple((where.get(id(t), -1), read_layout(t)) for t in read)
     names = [walk.names[where[id(t)]] if id(t) in where else f"capture {i}"
              for i, t in enumerate(tensors)]  # fmt: skip
     text = ir.describe(output, graph.captures)
@@ -200,8 +217,8 @@ def _trace(fn, walk: Walk, device) -> tuple[_Structure, list[torch.Tensor]]:
             compiled = _BY_NAME[text] = _Compiled(output, graph, text, describe_mod(fn), names)
     # a value the walk cannot read into (walk.opaque) may change with the same key: traced
     # again on every call, as a capture out of its reach is
-    cached = -1 not in positions and walk.opaque is None
-    return _Structure(compiled, positions if cached else None, names), tensors
+    cached = -1 not in positions and walk.opaque is None and all(i >= 0 for i, _ in read)
+    return _Structure(compiled, positions if cached else None, names, read), tensors
 
 
 def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
@@ -214,7 +231,11 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
         # torch.compile records the call: the lookup (and a trace) runs eagerly, at its trace
         # time (Dynamo cannot run the tracer); the captures come from the walk it records
         walk = Walk(fn)
-        name, positions, names = _trace_while_compiling(fn, str(device))
+        name, positions, names, read = _trace_while_compiling(fn, str(device))
+        for i, layout in read:  # (a Python condition on the layout: Dynamo guards on it, so a
+            if read_layout(walk.tensors[i]) != layout:  # new one compiles and traces again)
+                raise ScoreModError(f"score_mod {describe_mod(fn)}: a capture's layout changed "
+                                    "between the trace and the compiled call")  # fmt: skip
         return ScoreMod(fn, registered(name), [walk.tensors[i] for i in positions], list(names))
     record = False
     if type(fn) is types.FunctionType:
@@ -226,7 +247,11 @@ def prepare(fn, device: torch.device, *, _eager: bool = False) -> ScoreMod:
     walk = Walk(fn, record=record)
     key = walk.key
     structure = _STRUCTURES.get(key)
-    if structure is None or structure.positions is None:
+    if (
+        structure is None
+        or structure.positions is None
+        or (structure.read and not structure.fits(walk.tensors))  # (it replaces the old one)
+    ):
         structure, tensors = _trace(fn, walk, device)
         with _LOCK:
             _STRUCTURES[key] = structure
@@ -253,7 +278,9 @@ def _walked_before(fn) -> bool:
 
 
 def _remember_guards(fn, walk: Walk, structure: _Structure) -> None:
-    if walk.guards is None or structure.positions is None:
+    # (a mod that reads a layout is walked on every call: the guards check only the layouts
+    # of the captures it loads, and a tensor resized in place keeps its slot)
+    if walk.guards is None or structure.positions is None or structure.read:
         return
     entry = _Guarded(fn, walk.guards, structure, [walk.tensors[i] for i in structure.positions])
     with _LOCK:
@@ -284,12 +311,12 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+def _trace_while_compiling(fn, device: str) -> tuple[str, tuple, tuple, tuple]:
     """prepare(fn) run by torch.compile at its trace time with the real function (Dynamo
     calls an assume_constant_result function eagerly): (the graph's registry name, where
-    its captures sit in the walk's tensors, their names), constants the compiled graph
-    keeps. A mod defined inside the compiled function cannot be handed over this way
-    (Dynamo does not turn its closure cells into constants)."""
+    its captures sit in the walk's tensors, their names, the layouts it read: _Structure),
+    constants the compiled graph keeps. A mod defined inside the compiled function cannot
+    be handed over this way (Dynamo does not turn its closure cells into constants)."""
     walk = Walk(fn)
     _GUARDED.pop(id(fn), None)  # the full path: it puts the structure back in _STRUCTURES
     mod = prepare(fn, torch.device(device), _eager=True)
@@ -306,7 +333,7 @@ def _trace_while_compiling(fn, device: str) -> tuple[str, tuple[int, ...], tuple
             "reachable from the function (closure cells, globals, defaults, a bound "
             "method's object); one made by a helper on each call is not"
         )
-    return mod.name, structure.positions, tuple(mod.names)
+    return mod.name, structure.positions, tuple(mod.names), structure.read
 
 
 def registered(name: str) -> _Compiled:

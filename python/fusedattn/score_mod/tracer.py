@@ -74,6 +74,9 @@ class _Trace:
         self.graph = ir.Graph()
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
+        # the tensors whose shape or strides the mod read (id -> tensor): the graph's
+        # constants depend on them (score_mod._Structure.read, checked on every lookup)
+        self.read_layout: dict[int, torch.Tensor] = {}
         self.names = names
         self.mod = mod
         self.device = device
@@ -502,10 +505,27 @@ _REDUCTIONS = {"sum", "mean", "prod", "amax", "amin", "std", "var", "norm", "log
 _CREATION = {"tensor", "as_tensor", "arange", "zeros", "ones", "full", "empty", "linspace",
              "from_numpy", "eye", "empty_like", "new_tensor", "new_zeros", "new_ones",
              "new_full", "new_empty", "scalar_tensor"}  # fmt: skip
-# reads of a tensor's metadata and printing: allowed on captured tensors inside the mod
+# reads of a tensor's metadata and printing: allowed on captured tensors inside the mod (not
+# data_ptr or storage_offset: as a constant of the generated code, stale with the next tensor,
+# and torch.compile cannot guard on them)
 _ACCESSORS = {"__get__", "size", "dim", "numel", "stride", "is_floating_point", "__len__",
               "__repr__", "__format__", "__str__", "element_size", "is_contiguous",
-              "storage_offset", "data_ptr", "__hash__", "ndimension", "nelement"}  # fmt: skip
+              "__hash__", "ndimension", "nelement"}  # fmt: skip
+# accessors and properties whose answer the walk's key holds (rank, dtype, requires_grad:
+# captures.tensor_key) or that put no number in the graph (printing, the device); any other
+# makes the tensor's shape and strides part of the trace (_reads_layout: `table.shape[1]` is
+# a constant of the generated code); one missing here costs a walk per call, never a value
+_KEYED_ACCESSORS = {"dim", "ndimension", "is_floating_point", "element_size", "__repr__",
+                    "__format__", "__str__", "__hash__"}  # fmt: skip
+_KEYED_PROPERTIES = {"dtype", "ndim", "itemsize", "requires_grad", "device", "is_cuda",
+                     "is_cpu", "is_meta", "layout", "is_sparse", "is_quantized", "is_leaf"}  # fmt: skip
+
+
+def _reads_layout(func, name: str) -> bool:
+    """Whether an accessor (its name: _name) may answer with a tensor's shape or strides."""
+    if name == "__get__":  # a property: its getset descriptor's name (`shape`, `dtype`)
+        return getattr(getattr(func, "__self__", None), "__name__", None) not in _KEYED_PROPERTIES
+    return name not in _KEYED_ACCESSORS
 
 
 def _is_inplace(name: str) -> bool:
@@ -568,6 +588,11 @@ class _Mode(TorchFunctionMode):
             return _torch_call(func, args, kwargs)
         name = _name(func)
         if name in _ACCESSORS:
+            if _reads_layout(func, name):
+                read = _current().read_layout
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        read.setdefault(id(a), a)
             with torch._C.DisableTorchFunction():
                 return func(*args, **kwargs)
         if name == "__getitem__" and isinstance(args[0], torch.Tensor):
@@ -672,7 +697,7 @@ for _inplace in ("add_", "sub_", "mul_", "div_", "clamp_", "__setitem__", "copy_
 
 def trace(fn, names: dict[int, str], device: torch.device):
     """Run fn on stand-ins: -> (the output node as float32, its ir.Graph, the captured tensors
-    in capture order)."""
+    in capture order, the tensors whose shape or strides the mod read)."""
     t = _Trace(describe_mod(fn), names, device)
     previous = getattr(_STATE, "trace", None)
     _STATE.trace = t
@@ -692,4 +717,4 @@ def trace(fn, names: dict[int, str], device: torch.device):
                             f"kv_idx); see {SUBSET_DOC})") from e  # fmt: skip
     finally:
         _STATE.trace = previous
-    return out, t.graph, t.tensors
+    return out, t.graph, t.tensors, list(t.read_layout.values())
